@@ -1,0 +1,260 @@
+package shim
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+)
+
+// Role is the connector role vLLM gives each instance of the connector class.
+type Role string
+
+const (
+	RoleScheduler Role = "scheduler"
+	RoleWorker    Role = "worker"
+)
+
+// Config is the flattened vLLM configuration the Python connector passes
+// in as JSON. Field names follow vLLM's KVTransferConfig and
+// kv_connector_extra_config keys so that a NixlConnector configuration
+// works unchanged.
+type Config struct {
+	Role                 Role   `json:"role"`
+	KVRole               string `json:"kv_role"`
+	EngineID             string `json:"engine_id"`
+	KVBufferDevice       string `json:"kv_buffer_device"`
+	KVLoadFailurePolicy  string `json:"kv_load_failure_policy"`
+	EnablePermuteLocalKV bool   `json:"enable_permute_local_kv"`
+
+	// Parallelism and placement, from vLLM's parallel config.
+	TPSize     int    `json:"tp_size"`
+	TPRank     int    `json:"tp_rank"`
+	PPSize     int    `json:"pp_size"`
+	PPRank     int    `json:"pp_rank"`
+	DPIndex    int    `json:"dp_index"`
+	BlockSize  int    `json:"block_size"`
+	DeviceType string `json:"device_type"`
+
+	// Side channel, from VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT.
+	SideChannelHost string `json:"side_channel_host"`
+	SideChannelPort int    `json:"side_channel_port"`
+
+	// Extra holds kv_connector_extra_config verbatim.
+	Extra map[string]any `json:"kv_connector_extra_config"`
+
+	// Derived from Extra by ParseConfig.
+	Backends               []string `json:"-"`
+	NumThreads             int      `json:"-"`
+	KVLeaseDuration        float64  `json:"-"` // seconds
+	DecoderKVBlocksTTL     float64  `json:"-"`
+	BidirectionalKVXfer    bool     `json:"-"`
+	KVRecomputeThreshold   int      `json:"-"`
+	EnforceHandshakeCompat bool     `json:"-"`
+	EngineTTL              float64  `json:"-"`
+	TransferEngine         string   `json:"-"` // gonixl: "auto", "nixl", "ucx"
+	SideChannelSecret      string   `json:"-"` // gonixl: optional HMAC secret
+}
+
+// ParseConfig decodes and validates a JSON configuration, applying vLLM's
+// defaults for every key that is absent.
+func ParseConfig(data []byte) (*Config, error) {
+	c := &Config{}
+	dec := json.NewDecoder(strings.NewReader(string(data)))
+	dec.UseNumber()
+	if err := dec.Decode(c); err != nil {
+		return nil, fmt.Errorf("config: invalid JSON: %w", err)
+	}
+	if err := c.applyDefaults(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *Config) applyDefaults() error {
+	switch c.Role {
+	case RoleScheduler, RoleWorker:
+	default:
+		return fmt.Errorf("config: role must be %q or %q, got %q", RoleScheduler, RoleWorker, c.Role)
+	}
+	switch c.KVRole {
+	case "kv_producer", "kv_consumer", "kv_both":
+	default:
+		return fmt.Errorf("config: kv_role must be kv_producer, kv_consumer or kv_both, got %q", c.KVRole)
+	}
+	if c.EngineID == "" {
+		return fmt.Errorf("config: engine_id is required")
+	}
+	if c.KVBufferDevice == "" {
+		c.KVBufferDevice = "cuda"
+	}
+	switch c.KVLoadFailurePolicy {
+	case "":
+		c.KVLoadFailurePolicy = "fail"
+	case "fail", "recompute":
+	default:
+		return fmt.Errorf("config: kv_load_failure_policy must be fail or recompute, got %q", c.KVLoadFailurePolicy)
+	}
+	if c.TPSize == 0 {
+		c.TPSize = 1
+	}
+	if c.PPSize == 0 {
+		c.PPSize = 1
+	}
+	if c.TPSize < 0 || c.PPSize < 0 || c.TPRank < 0 || c.TPRank >= c.TPSize || c.PPRank < 0 || c.PPRank >= c.PPSize || c.DPIndex < 0 {
+		return fmt.Errorf("config: bad parallel layout tp %d/%d pp %d/%d dp %d", c.TPRank, c.TPSize, c.PPRank, c.PPSize, c.DPIndex)
+	}
+	if c.BlockSize < 0 {
+		return fmt.Errorf("config: block_size must be positive, got %d", c.BlockSize)
+	}
+	if c.SideChannelHost == "" {
+		c.SideChannelHost = "localhost"
+	}
+	if c.SideChannelPort == 0 {
+		c.SideChannelPort = 5600
+	}
+	if c.SideChannelPort < 0 || c.SideChannelPort > 65535 {
+		return fmt.Errorf("config: side channel port %d out of range", c.SideChannelPort)
+	}
+	var err error
+	x := extra(c.Extra)
+	if c.Backends, err = x.strings("backends", []string{"UCX"}); err != nil {
+		return err
+	}
+	if c.NumThreads, err = x.int("num_threads", 4); err != nil {
+		return err
+	}
+	if c.KVLeaseDuration, err = x.float("kv_lease_duration", 30); err != nil {
+		return err
+	}
+	if c.KVLeaseDuration <= 0 {
+		return fmt.Errorf("config: kv_lease_duration must be positive, got %v", c.KVLeaseDuration)
+	}
+	if c.DecoderKVBlocksTTL, err = x.float("decoder_kv_blocks_ttl", 480); err != nil {
+		return err
+	}
+	if c.BidirectionalKVXfer, err = x.bool("bidirectional_kv_xfer", false); err != nil {
+		return err
+	}
+	defThreshold := 0
+	if c.BidirectionalKVXfer {
+		defThreshold = 64
+	}
+	if c.KVRecomputeThreshold, err = x.int("kv_recompute_threshold", defThreshold); err != nil {
+		return err
+	}
+	if c.EnforceHandshakeCompat, err = x.bool("enforce_handshake_compat", true); err != nil {
+		return err
+	}
+	if c.EngineTTL, err = x.float("engine_ttl", 3600); err != nil {
+		return err
+	}
+	if c.TransferEngine, err = x.string("transfer_engine", "auto"); err != nil {
+		return err
+	}
+	switch c.TransferEngine {
+	case "auto", "nixl", "ucx", "fake":
+	default:
+		return fmt.Errorf("config: transfer_engine must be auto, nixl or ucx, got %q", c.TransferEngine)
+	}
+	if c.SideChannelSecret, err = x.string("side_channel_secret", ""); err != nil {
+		return err
+	}
+	return nil
+}
+
+// extra reads kv_connector_extra_config values with vLLM's leniency: numbers
+// may arrive as strings ("30"), booleans as "true"/"False".
+type extra map[string]any
+
+func (x extra) string(key, def string) (string, error) {
+	v, ok := x[key]
+	if !ok || v == nil {
+		return def, nil
+	}
+	switch t := v.(type) {
+	case string:
+		return t, nil
+	case json.Number:
+		return t.String(), nil
+	}
+	return "", fmt.Errorf("config: kv_connector_extra_config.%s must be a string, got %T", key, v)
+}
+
+func (x extra) float(key string, def float64) (float64, error) {
+	v, ok := x[key]
+	if !ok || v == nil {
+		return def, nil
+	}
+	var s string
+	switch t := v.(type) {
+	case json.Number:
+		s = t.String()
+	case string:
+		s = t
+	default:
+		return 0, fmt.Errorf("config: kv_connector_extra_config.%s must be a number, got %T", key, v)
+	}
+	f, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
+	if err != nil {
+		return 0, fmt.Errorf("config: kv_connector_extra_config.%s must be a number, got %q", key, s)
+	}
+	return f, nil
+}
+
+func (x extra) int(key string, def int) (int, error) {
+	f, err := x.float(key, float64(def))
+	if err != nil {
+		return 0, err
+	}
+	if f != float64(int(f)) {
+		return 0, fmt.Errorf("config: kv_connector_extra_config.%s must be an integer, got %v", key, f)
+	}
+	return int(f), nil
+}
+
+func (x extra) bool(key string, def bool) (bool, error) {
+	v, ok := x[key]
+	if !ok || v == nil {
+		return def, nil
+	}
+	switch t := v.(type) {
+	case bool:
+		return t, nil
+	case string:
+		switch strings.ToLower(strings.TrimSpace(t)) {
+		case "true", "1", "yes", "on":
+			return true, nil
+		case "false", "0", "no", "off", "":
+			return false, nil
+		}
+	case json.Number:
+		return t.String() != "0", nil
+	}
+	return false, fmt.Errorf("config: kv_connector_extra_config.%s must be a boolean, got %v", key, v)
+}
+
+func (x extra) strings(key string, def []string) ([]string, error) {
+	v, ok := x[key]
+	if !ok || v == nil {
+		return def, nil
+	}
+	switch t := v.(type) {
+	case string:
+		return []string{t}, nil
+	case []any:
+		out := make([]string, 0, len(t))
+		for _, e := range t {
+			s, ok := e.(string)
+			if !ok {
+				return nil, fmt.Errorf("config: kv_connector_extra_config.%s must be a list of strings, got element %T", key, e)
+			}
+			out = append(out, s)
+		}
+		if len(out) == 0 {
+			return nil, fmt.Errorf("config: kv_connector_extra_config.%s must not be empty", key)
+		}
+		return out, nil
+	}
+	return nil, fmt.Errorf("config: kv_connector_extra_config.%s must be a list of strings, got %T", key, v)
+}
