@@ -736,4 +736,3 @@ func (a *Agent) String() string {
 	}
 	return b.String()
 }
-
