@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# gonixl's single entry point. Run ./build.sh help for the subcommands.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+BUILD="$ROOT/build"
+LIB="$BUILD/libgonixl.so"
+VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' pybridge/pyproject.toml)"
+APT_PACKAGES=(libucx0 ucx-utils libucx-dev python3-venv binutils)
+PYTHON_BIN="${GONIXL_PYTHON:-python3.11}"
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+die() { printf 'build.sh: %s\n' "$*" >&2; exit 1; }
+
+## setup: install what a fresh machine lacks (apt packages, .venv, Go modules); idempotent
+cmd_setup() {
+  command -v go >/dev/null || die "Go is not installed (need go >= $(sed -n 's/^go //p' go.mod))"
+  command -v "$PYTHON_BIN" >/dev/null || PYTHON_BIN=python3
+  local missing=()
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    log "apt-get install ${missing[*]}"
+    local sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+  if [ ! -x "$PY" ]; then
+    log "creating $VENV"
+    "$PYTHON_BIN" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.gonixl-requirements.sha256"
+  local want
+  want="$(sha256sum requirements.lock | cut -d' ' -f1)"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    log "pip install --no-deps -r requirements.lock (first run downloads about 4 GB)"
+    "$PY" -m pip install -q --upgrade pip
+    "$PY" -m pip install -q --no-deps -r requirements.lock
+    echo "$want" > "$stamp"
+  fi
+  log "go mod download"
+  go mod download
+}
+
+## build: libgonixl.so (c-shared), the Go commands, and the Python package into .venv
+cmd_build() {
+  mkdir -p "$BUILD/bin"
+  log "go build -buildmode=c-shared -o $LIB ./capi"
+  go build -buildmode=c-shared -trimpath \
+    -ldflags "-X github.com/gonixl/gonixl/shim.Version=$VERSION" -o "$LIB" ./capi
+  rm -f "$BUILD/libgonixl.h" # include/gonixl.h is the contract, not cgo's generated header
+  local c
+  for c in cmd/*/; do
+    c="${c%/}"
+    go build -trimpath -o "$BUILD/bin/$(basename "$c")" "./$c"
+  done
+  [ -x "$PY" ] || die ".venv is missing: run ./build.sh setup"
+  cp "$LIB" pybridge/gonixl/libgonixl.so
+  log "pip install ./pybridge into .venv"
+  "$PY" -m pip install -q --no-deps --force-reinstall ./pybridge
+  rm -rf pybridge/build pybridge/*.egg-info
+}
+
+## test: everything CI runs (setup and build first)
+cmd_test() {
+  cmd_setup
+  cmd_build
+  export GONIXL_LIB_PATH="$LIB"
+  log "go vet ./..."
+  go vet ./...
+  log "go test ./..."
+  go test -count=1 -timeout 15m ./...
+  log "ABI check: exported symbols vs include/gonixl.h vs ctypes prototypes"
+  "$PY" tests/abi_check.py "$LIB" include/gonixl.h
+  log "pytest tests/python"
+  "$PY" -m pytest -q -ra tests/python
+  if [ -d tests/e2e ]; then
+    local t
+    for t in tests/e2e/*.sh; do
+      [ -e "$t" ] || continue
+      log "e2e: $t"
+      bash "$t"
+    done
+  fi
+}
+
+## demo: the main job (setup and build first)
+cmd_demo() {
+  cmd_setup
+  cmd_build
+  export GONIXL_LIB_PATH="$LIB"
+  "$PY" tests/demo.py
+}
+
+## help: this text
+cmd_help() {
+  echo "usage: ./build.sh <subcommand>"
+  echo
+  grep -E '^## ' "$0" | sed 's/^## /  /'
+}
+
+main() {
+  local sub="${1:-help}"
+  shift || true
+  case "$sub" in
+    setup | build | test | demo | help) "cmd_$sub" "$@" ;;
+    *) cmd_help >&2; die "unknown subcommand: $sub" ;;
+  esac
+}
+
+main "$@"

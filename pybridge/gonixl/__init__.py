@@ -1,0 +1,36 @@
+"""gonixl: a vLLM KV connector whose engine is a Go library (libgonixl.so).
+
+Importing this package loads nothing; the library is loaded on first use.
+vLLM loads the connector with
+``kv_connector_module_path="gonixl.vllm"`` and ``kv_connector="GoNixlConnector"``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from . import errors
+from .errors import GoNixlError, LibraryLoadError
+
+__all__ = ["GoNixlError", "LibraryLoadError", "errors", "library_version", "probe", "abi_version"]
+
+
+def abi_version() -> int:
+    """The ABI version of the loaded library."""
+    from . import _lib
+
+    return int(_lib.lib().gonixl_abi_version())
+
+
+def library_version() -> str:
+    """The library's version string."""
+    from . import _lib
+
+    return _lib.call_bytes("gonixl_version").decode()
+
+
+def probe() -> dict:
+    """What the library finds on this host: version and transfer engines."""
+    from . import _lib
+
+    return json.loads(_lib.call_bytes("gonixl_probe"))

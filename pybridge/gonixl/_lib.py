@@ -1,0 +1,178 @@
+"""ctypes binding of libgonixl.so.
+
+The prototypes below follow include/gonixl.h in header order; the C
+declaration each one mirrors is repeated above it. tests/abi_check.py
+compares this list with the header and with the library's exported symbols.
+
+Nothing is loaded at import time: vLLM forks worker processes, and a Go
+runtime does not survive fork. The library is loaded by the first call to
+:func:`lib` in a process; a process that forks after that must not use the
+library in the child.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+from typing import Callable, Optional
+
+from . import errors
+
+#: Must equal GONIXL_ABI_VERSION in include/gonixl.h.
+ABI_VERSION = 1
+
+ERROR_MESSAGE_SIZE = 512
+
+status_t = ctypes.c_int32
+handle_t = ctypes.c_uint64
+size_p = ctypes.POINTER(ctypes.c_size_t)
+
+
+class Error(ctypes.Structure):
+    """gonixl_error_t."""
+
+    _fields_ = [("code", ctypes.c_int32), ("message", ctypes.c_char * ERROR_MESSAGE_SIZE)]
+
+
+error_p = ctypes.POINTER(Error)
+
+#: (name, restype, argtypes) in header order.
+PROTOTYPES: list[tuple[str, object, list]] = [
+    # uint32_t gonixl_abi_version(void);
+    ("gonixl_abi_version", ctypes.c_uint32, []),
+    # gonixl_status_t gonixl_version(char *buf, size_t *len, gonixl_error_t *err);
+    ("gonixl_version", status_t, [ctypes.c_char_p, size_p, error_p]),
+    # gonixl_status_t gonixl_probe(char *buf, size_t *len, gonixl_error_t *err);
+    ("gonixl_probe", status_t, [ctypes.c_char_p, size_p, error_p]),
+    # gonixl_status_t gonixl_scheduler_new(char *config_json, size_t config_len,
+    #                                      gonixl_scheduler_t *out, gonixl_error_t *err);
+    ("gonixl_scheduler_new", status_t, [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(handle_t), error_p]),
+    # gonixl_status_t gonixl_scheduler_close(gonixl_scheduler_t h, gonixl_error_t *err);
+    ("gonixl_scheduler_close", status_t, [handle_t, error_p]),
+    # gonixl_status_t gonixl_worker_new(char *config_json, size_t config_len,
+    #                                   gonixl_worker_t *out, gonixl_error_t *err);
+    ("gonixl_worker_new", status_t, [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(handle_t), error_p]),
+    # gonixl_status_t gonixl_worker_close(gonixl_worker_t h, gonixl_error_t *err);
+    ("gonixl_worker_close", status_t, [handle_t, error_p]),
+    # gonixl_status_t gonixl_debug_panic(gonixl_error_t *err);
+    ("gonixl_debug_panic", status_t, [error_p]),
+]
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_loaded_pid: Optional[int] = None
+_path: Optional[str] = None
+
+
+def library_path() -> str:
+    """Where the library is loaded from: GONIXL_LIB_PATH, else the copy
+    installed inside this package."""
+    env = os.environ.get("GONIXL_LIB_PATH")
+    if env:
+        return env
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "libgonixl.so")
+
+
+def _nixl_lib_dir() -> Optional[str]:
+    """The lib directory of an installed nixl wheel (nixl-cu12/cu13), without
+    importing nixl (which would initialise UCX in this process)."""
+    for mod in ("nixl_cu12", "nixl_cu13"):
+        try:
+            spec = importlib.util.find_spec(mod)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        pkg_dir = list(spec.submodule_search_locations)[0]
+        site = os.path.dirname(pkg_dir)
+        cand = os.path.join(site, f".{mod}.mesonpy.libs")
+        if os.path.isfile(os.path.join(cand, "libnixl_capi.so")):
+            return cand
+    return None
+
+
+def _prepare_environment() -> None:
+    # Native engines read these when they initialise; set them before the
+    # library loads, never overriding what the user set.
+    if "NIXL_LIB_DIR" not in os.environ:
+        d = _nixl_lib_dir()
+        if d:
+            os.environ["NIXL_LIB_DIR"] = d
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+
+
+def _declare(cdll: ctypes.CDLL) -> None:
+    for name, restype, argtypes in PROTOTYPES:
+        try:
+            fn = getattr(cdll, name)
+        except AttributeError as e:
+            raise errors.LibraryLoadError(f"{_path}: missing symbol {name}: is the library older than the package?") from e
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def lib() -> ctypes.CDLL:
+    """Load (once per process) and return the library."""
+    global _lib, _loaded_pid, _path
+    if _lib is not None:
+        if _loaded_pid != os.getpid():
+            raise errors.LibraryLoadError(
+                "libgonixl.so was loaded before this process forked; a Go runtime does not survive fork. "
+                "Load gonixl only in the process that uses it."
+            )
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        _path = library_path()
+        if not os.path.exists(_path):
+            raise errors.LibraryLoadError(f"libgonixl.so not found at {_path} (set GONIXL_LIB_PATH or run ./build.sh build)")
+        _prepare_environment()
+        try:
+            cdll = ctypes.CDLL(_path, mode=ctypes.RTLD_LOCAL)
+        except OSError as e:
+            raise errors.LibraryLoadError(f"cannot load {_path}: {e}") from e
+        _declare(cdll)
+        got = cdll.gonixl_abi_version()
+        if got != ABI_VERSION:
+            raise errors.LibraryLoadError(
+                f"{_path} has ABI version {got}, this package needs {ABI_VERSION}: rebuild with ./build.sh build"
+            )
+        _lib = cdll
+        _loaded_pid = os.getpid()
+        return cdll
+
+
+def is_loaded() -> bool:
+    return _lib is not None
+
+
+def call(fn_name: str, *args) -> int:
+    """Call a status-returning function, raising on a negative status.
+    Returns the status (OK or IN_PROGRESS)."""
+    err = Error()
+    fn: Callable[..., int] = getattr(lib(), fn_name)
+    st = fn(*args, ctypes.byref(err))
+    if st < 0:
+        raise errors.error_for(st, err.message.decode("utf-8", "replace"))
+    return st
+
+
+def call_bytes(fn_name: str, *args, initial: int = 4096) -> bytes:
+    """Call a size-negotiated function: (..., buf, &len, err). Retries once
+    with the size the library asks for."""
+    size = initial
+    for _ in range(3):
+        buf = ctypes.create_string_buffer(size)
+        n = ctypes.c_size_t(size)
+        err = Error()
+        st = getattr(lib(), fn_name)(*args, buf, ctypes.byref(n), ctypes.byref(err))
+        if st == errors.ERR_BUFFER_TOO_SMALL:
+            size = max(n.value, 1)
+            continue
+        if st < 0:
+            raise errors.error_for(st, err.message.decode("utf-8", "replace"))
+        return buf.raw[: n.value]
+    raise errors.BufferTooSmallError(errors.ERR_BUFFER_TOO_SMALL, f"{fn_name}: size negotiation did not converge")

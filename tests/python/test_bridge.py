@@ -1,0 +1,250 @@
+"""The Python bridge against the real libgonixl.so: loading, ABI, status
+mapping, and bad input at the C boundary (clear errors, never a crash)."""
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import gonixl
+from gonixl import _lib, errors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_py(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=60)
+
+
+def cfg(role="scheduler", **kw) -> bytes:
+    c = {"role": role, "kv_role": "kv_producer", "engine_id": "engine-a"}
+    c.update(kw)
+    return json.dumps(c).encode()
+
+
+def new_handle(fn: str, config: bytes) -> int:
+    h = _lib.handle_t()
+    _lib.call(fn, config, len(config), ctypes.byref(h))
+    return h.value
+
+
+def test_import_does_not_load_library():
+    r = run_py(
+        """
+        import gonixl, gonixl._lib, sys
+        assert not gonixl._lib.is_loaded(), "library loaded at import"
+        print("ok")
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_version_and_abi(lib_path):
+    assert gonixl.abi_version() == _lib.ABI_VERSION
+    v = gonixl.library_version()
+    assert v and v[0].isdigit(), v
+
+
+def test_probe_reports_engines():
+    info = gonixl.probe()
+    assert info["version"] == gonixl.library_version()
+    assert info["go_version"].startswith("go")
+    assert isinstance(info["engines"], list)
+    for e in info["engines"]:
+        assert e["available"] or e["reason"], e
+
+
+def test_missing_library_is_clear_error(tmp_path):
+    r = run_py(
+        """
+        import gonixl
+        try:
+            gonixl.library_version()
+        except gonixl.LibraryLoadError as e:
+            print("LoadError:", e)
+        """,
+        {"GONIXL_LIB_PATH": str(tmp_path / "nope.so")},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "LoadError:" in r.stdout and "nope.so" in r.stdout
+
+
+def test_not_a_library_is_clear_error(tmp_path):
+    bad = tmp_path / "libgonixl.so"
+    bad.write_bytes(b"not an ELF file")
+    r = run_py(
+        """
+        import gonixl
+        try:
+            gonixl.library_version()
+        except gonixl.LibraryLoadError as e:
+            print("LoadError:", e)
+        """,
+        {"GONIXL_LIB_PATH": str(bad)},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "cannot load" in r.stdout
+
+
+def test_handles_lifecycle_and_stale_handle():
+    h = new_handle("gonixl_scheduler_new", cfg())
+    assert h != 0
+    _lib.call("gonixl_scheduler_close", h)
+    with pytest.raises(errors.InvalidHandleError) as ei:
+        _lib.call("gonixl_scheduler_close", h)
+    assert ei.value.status == errors.ERR_INVALID_HANDLE
+    assert "unknown or already closed" in str(ei.value)
+
+
+def test_zero_and_garbage_handles():
+    with pytest.raises(errors.InvalidHandleError, match="is 0"):
+        _lib.call("gonixl_worker_close", 0)
+    with pytest.raises(errors.InvalidHandleError):
+        _lib.call("gonixl_worker_close", 12345)  # looks like an fd, never a handle
+
+
+def test_wrong_kind_handle():
+    h = new_handle("gonixl_scheduler_new", cfg())
+    try:
+        with pytest.raises(errors.InvalidHandleError) as ei:
+            _lib.call("gonixl_worker_close", h)
+        assert ei.value.status == errors.ERR_WRONG_HANDLE
+        assert "scheduler handle, expected a worker handle" in str(ei.value)
+    finally:
+        _lib.call("gonixl_scheduler_close", h)
+
+
+def test_worker_handle_and_role_check():
+    h = new_handle("gonixl_worker_new", cfg(role="worker", kv_role="kv_consumer"))
+    _lib.call("gonixl_worker_close", h)
+    with pytest.raises(errors.InvalidArgumentError, match="role"):
+        new_handle("gonixl_worker_new", cfg(role="scheduler"))
+
+
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        (b"{not json", "invalid JSON"),
+        (b"", "invalid JSON"),
+        (json.dumps({"role": "scheduler", "kv_role": "kv_producer"}).encode(), "engine_id is required"),
+        (cfg(kv_role="kv_sideways"), "kv_role"),
+        (cfg(kv_connector_extra_config={"kv_lease_duration": "soon"}), "kv_lease_duration"),
+        (cfg(kv_connector_extra_config={"backends": [1]}), "backends"),
+        (cfg(kv_load_failure_policy="ignore"), "kv_load_failure_policy"),
+        (cfg(kv_connector_extra_config={"transfer_engine": "rdma-magic"}), "transfer_engine"),
+    ],
+)
+def test_bad_config_is_invalid_argument(config, fragment):
+    with pytest.raises(errors.InvalidArgumentError) as ei:
+        new_handle("gonixl_scheduler_new", config)
+    assert fragment in str(ei.value)
+    assert str(ei.value).startswith("[gonixl] ")
+
+
+def test_null_pointers():
+    lib = _lib.lib()
+    err = _lib.Error()
+    h = _lib.handle_t()
+    # NULL config with a non-zero length
+    st = lib.gonixl_scheduler_new(None, 10, ctypes.byref(h), ctypes.byref(err))
+    assert st == errors.ERR_NULL_POINTER and b"NULL" in err.message
+    # NULL out pointer
+    c = cfg()
+    st = lib.gonixl_scheduler_new(c, len(c), None, ctypes.byref(err))
+    assert st == errors.ERR_NULL_POINTER
+    # NULL len pointer
+    st = lib.gonixl_version(None, None, ctypes.byref(err))
+    assert st == errors.ERR_NULL_POINTER
+    # NULL error struct is allowed
+    assert lib.gonixl_scheduler_new(None, 10, ctypes.byref(h), None) == errors.ERR_NULL_POINTER
+
+
+def test_buffer_size_negotiation():
+    lib = _lib.lib()
+    err = _lib.Error()
+    n = ctypes.c_size_t(0)
+    st = lib.gonixl_version(None, ctypes.byref(n), ctypes.byref(err))
+    assert st == errors.ERR_BUFFER_TOO_SMALL
+    need = n.value
+    assert need == len(gonixl.library_version())
+    small = ctypes.create_string_buffer(1)
+    n2 = ctypes.c_size_t(1)
+    if need > 1:
+        st = lib.gonixl_version(small, ctypes.byref(n2), ctypes.byref(err))
+        assert st == errors.ERR_BUFFER_TOO_SMALL and n2.value == need
+        assert b"too small" in err.message
+    buf = ctypes.create_string_buffer(need)
+    n3 = ctypes.c_size_t(need)
+    assert lib.gonixl_version(buf, ctypes.byref(n3), ctypes.byref(err)) == errors.OK
+    assert buf.raw[: n3.value].decode() == gonixl.library_version()
+
+
+def test_debug_panic_disabled_without_hook():
+    with pytest.raises(errors.NotSupportedError, match="GONIXL_TEST_HOOKS"):
+        _lib.call("gonixl_debug_panic")
+    # the library is not poisoned by the refused call
+    assert gonixl.library_version()
+
+
+def test_panic_poisons_library_in_subprocess():
+    r = run_py(
+        """
+        import gonixl
+        from gonixl import _lib, errors
+        try:
+            _lib.call("gonixl_debug_panic")
+        except errors.InternalError as e:
+            print("internal:", e)
+        try:
+            gonixl.library_version()
+        except errors.PoisonedError as e:
+            print("poisoned:", e)
+        """,
+        {"GONIXL_TEST_HOOKS": "1"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "internal: [gonixl] Go panic" in r.stdout
+    assert "poisoned: [gonixl] library is poisoned" in r.stdout
+    assert "Go panic, library poisoned" in r.stderr  # the stack goes to stderr once
+
+
+def test_use_after_fork_is_refused():
+    r = run_py(
+        """
+        import os, gonixl
+        from gonixl import errors
+        gonixl.library_version()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                gonixl.library_version()
+                os._exit(3)
+            except errors.LibraryLoadError as e:
+                os._exit(0 if "fork" in str(e) else 4)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "child 0"
+
+
+def test_abi_check_detects_mismatch(tmp_path, lib_path):
+    header = open(os.path.join(ROOT, "include", "gonixl.h")).read()
+    bad = header.replace(
+        "gonixl_status_t gonixl_debug_panic(gonixl_error_t *err);",
+        "gonixl_status_t gonixl_debug_panic(gonixl_error_t *err);\ngonixl_status_t gonixl_not_there(gonixl_error_t *err);",
+    )
+    assert bad != header
+    p = tmp_path / "gonixl.h"
+    p.write_text(bad)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "abi_check.py"), lib_path, str(p)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "gonixl_not_there" in r.stdout
