@@ -1,0 +1,144 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+)
+
+// object is a JSON object whose values are kept as raw bytes, so that fields
+// the proxy does not touch reach the upstream byte for byte (key order aside).
+type object map[string]json.RawMessage
+
+var errNotObject = errors.New("request body must be a JSON object")
+
+func parseObject(b []byte) (object, error) {
+	var o object
+	if err := json.Unmarshal(b, &o); err != nil {
+		return nil, err
+	}
+	if o == nil { // the literal null
+		return nil, errNotObject
+	}
+	return o, nil
+}
+
+func (o object) clone() object {
+	c := make(object, len(o)+1)
+	for k, v := range o {
+		c[k] = v
+	}
+	return c
+}
+
+func (o object) has(key string) bool { _, ok := o[key]; return ok }
+
+// setRaw stores v, which must be valid JSON.
+func (o object) setRaw(key string, v []byte) { o[key] = json.RawMessage(v) }
+
+var (
+	jsonTrue  = []byte("true")
+	jsonFalse = []byte("false")
+	jsonOne   = []byte("1")
+)
+
+func (o object) setString(key, v string) {
+	b, _ := json.Marshal(v) // a string always marshals
+	o[key] = b
+}
+
+func (o object) marshal() ([]byte, error) { return json.Marshal(o) }
+
+// isTrue reports whether key holds the JSON literal true.
+func (o object) isTrue(key string) bool {
+	return bytes.Equal(bytes.TrimSpace(o[key]), jsonTrue)
+}
+
+// emptyPrefillParams is what both reference proxies send a prefill instance
+// when there is nothing to pull: prefill locally, keep the blocks for a remote
+// decode.
+const emptyPrefillParams = `{"do_remote_decode":true,"do_remote_prefill":false,` +
+	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
+
+// toyPrefillBody is toy_proxy_server.py's prefill rewrite.
+func toyPrefillBody(req object) ([]byte, error) {
+	p := req.clone()
+	p.setRaw("kv_transfer_params", []byte(emptyPrefillParams))
+	p.setRaw("stream", jsonFalse)
+	p.setRaw("max_tokens", jsonOne)
+	if p.has("max_completion_tokens") {
+		p.setRaw("max_completion_tokens", jsonOne)
+	}
+	delete(p, "stream_options")
+	delete(p, "min_tokens")
+	delete(p, "min_completion_tokens")
+	return p.marshal()
+}
+
+// multiturnPrefillBody is disagg_proxy_multiturn.py's prefill rewrite. params
+// are the kv_transfer_params to send (cached decode params on a hit, the empty
+// set on a miss).
+func multiturnPrefillBody(req object, params []byte) ([]byte, error) {
+	p := req.clone()
+	p.setRaw("kv_transfer_params", params)
+	p.setRaw("stream", jsonFalse)
+	p.setRaw("max_tokens", jsonOne)
+	delete(p, "max_completion_tokens")
+	delete(p, "min_tokens")
+	delete(p, "stream_options")
+	return p.marshal()
+}
+
+// kvParams returns the kv_transfer_params of a response (or stream chunk) when
+// they are a non-empty JSON object, as the reference's truthiness test does.
+func kvParams(o object) (object, bool) {
+	raw, ok := o["kv_transfer_params"]
+	if !ok {
+		return nil, false
+	}
+	p, err := parseObject(raw)
+	if err != nil || len(p) == 0 {
+		return nil, false
+	}
+	return p, true
+}
+
+// withRemoteHost returns params with remote_host set to host.
+func withRemoteHost(params object, host string) ([]byte, error) {
+	c := params.clone()
+	c.setString("remote_host", host)
+	return c.marshal()
+}
+
+// forPrefillPull marks cached decode params for the prefill instance: pull
+// the decode's blocks (do_remote_prefill is false because the prefill does not
+// wait for a remote prefill; do_remote_decode because a decode follows).
+func forPrefillPull(cached []byte) ([]byte, error) {
+	p, err := parseObject(cached)
+	if err != nil {
+		return nil, fmt.Errorf("cached kv_transfer_params: %w", err)
+	}
+	p.setRaw("do_remote_decode", jsonTrue)
+	p.setRaw("do_remote_prefill", jsonFalse)
+	return p.marshal()
+}
+
+// conversationID pops conversation_id from the body. A string is used as is,
+// null as absent, any other JSON value by its text.
+func conversationID(o object) string {
+	raw, ok := o["conversation_id"]
+	if !ok {
+		return ""
+	}
+	delete(o, "conversation_id")
+	var s string
+	if err := json.Unmarshal(raw, &s); err == nil {
+		return s
+	}
+	t := string(bytes.TrimSpace(raw))
+	if t == "null" {
+		return ""
+	}
+	return t
+}

@@ -1,0 +1,211 @@
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// Mode selects the proxy's behaviour.
+type Mode int
+
+const (
+	// ModeToy is toy_proxy_server.py's behaviour.
+	ModeToy Mode = iota
+	// ModeMultiturn is disagg_proxy_multiturn.py's behaviour.
+	ModeMultiturn
+)
+
+func (m Mode) String() string {
+	switch m {
+	case ModeToy:
+		return "toy"
+	case ModeMultiturn:
+		return "multiturn"
+	}
+	return "Mode(" + strconv.Itoa(int(m)) + ")"
+}
+
+// ReuseMode says whether the multi-turn proxy hands a decode instance's
+// blocks back to the prefill instance on the next turn.
+type ReuseMode string
+
+const (
+	// ReuseBidirectional caches the decode instance's kv_transfer_params per
+	// conversation and sends them to the prefill instance on the next turn.
+	ReuseBidirectional ReuseMode = "bidirectional"
+	// ReuseOneway only moves KV from prefill to decode: nothing is cached and
+	// every turn is a miss.
+	ReuseOneway ReuseMode = "oneway"
+)
+
+// DefaultCacheTTL is the multi-turn conversation cache's lifetime; it must stay
+// below the decode side's decoder_kv_blocks_ttl (480 s by default).
+const DefaultCacheTTL = 450 * time.Second
+
+// Instance is one vLLM OpenAI server.
+type Instance struct {
+	Host string
+	Port int
+}
+
+// BaseURL is the instance's OpenAI API root, "http://host:port/v1".
+func (i Instance) BaseURL() string {
+	return "http://" + net.JoinHostPort(i.Host, strconv.Itoa(i.Port)) + "/v1"
+}
+
+func (i Instance) String() string { return net.JoinHostPort(i.Host, strconv.Itoa(i.Port)) }
+
+// Pair zips host and port lists the way the reference proxies do; the counts
+// must match.
+func Pair(role string, hosts []string, ports []int) ([]Instance, error) {
+	if len(hosts) != len(ports) {
+		return nil, fmt.Errorf("number of %s hosts (%d) must match number of %s ports (%d)",
+			role, len(hosts), role, len(ports))
+	}
+	out := make([]Instance, len(hosts))
+	for i := range hosts {
+		out[i] = Instance{Host: hosts[i], Port: ports[i]}
+	}
+	return out, nil
+}
+
+// Config configures a Proxy. Zero values get the documented defaults.
+type Config struct {
+	Mode    Mode
+	Prefill []Instance
+	Decode  []Instance
+
+	// APIKey, when non-empty, is sent upstream as "Authorization: Bearer
+	// <APIKey>" (the reference proxies read OPENAI_API_KEY). When empty, a
+	// client's own Authorization header is forwarded.
+	APIKey string
+
+	// Multi-turn options.
+	ReuseMode             ReuseMode     // default ReuseBidirectional
+	RequireConversationID bool          // reject requests without conversation_id (400)
+	CacheTTL              time.Duration // default DefaultCacheTTL
+	MaxConversations      int           // cache bound; default 1 << 20
+
+	// ConnectTimeout bounds TCP connection set-up to an upstream (default 5 s).
+	ConnectTimeout time.Duration
+	// UpstreamTimeout bounds the wait for an upstream's response headers, and
+	// the whole prefill exchange (default 300 s). A decode stream that has
+	// started may run longer.
+	UpstreamTimeout time.Duration
+	// MaxBodyBytes bounds request and prefill-response bodies (default 64 MiB).
+	MaxBodyBytes int64
+
+	// Transport overrides the upstream transport (tests, benchmarks).
+	Transport http.RoundTripper
+	// Registry receives the proxy's metrics; nil means a private registry.
+	// /metrics serves this registry.
+	Registry *prometheus.Registry
+	// Logger; nil means no logging.
+	Logger *zap.Logger
+	// Clock returns the current time; nil means time.Now. The conversation
+	// cache reads time only through it.
+	Clock func() time.Time
+	// NewRequestID makes the X-Request-Id for a client request that has none;
+	// nil means a random UUID v4.
+	NewRequestID func() string
+}
+
+func (c *Config) validate() error {
+	var errs []error
+	if len(c.Prefill) == 0 {
+		errs = append(errs, errors.New("at least one prefill instance is required"))
+	}
+	if len(c.Decode) == 0 {
+		errs = append(errs, errors.New("at least one decode instance is required"))
+	}
+	for _, set := range []struct {
+		role string
+		list []Instance
+	}{{"prefill", c.Prefill}, {"decode", c.Decode}} {
+		for _, in := range set.list {
+			if in.Host == "" {
+				errs = append(errs, fmt.Errorf("%s instance %s: empty host", set.role, in))
+			}
+			if in.Port <= 0 || in.Port > 65535 {
+				errs = append(errs, fmt.Errorf("%s instance %s: port %d out of range 1..65535", set.role, in, in.Port))
+			}
+		}
+	}
+	if c.Mode != ModeToy && c.Mode != ModeMultiturn {
+		errs = append(errs, fmt.Errorf("unknown mode %d", int(c.Mode)))
+	}
+	switch c.ReuseMode {
+	case "", ReuseBidirectional, ReuseOneway:
+	default:
+		errs = append(errs, fmt.Errorf("reuse mode %q: want %q or %q", c.ReuseMode, ReuseOneway, ReuseBidirectional))
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"cache TTL", c.CacheTTL}, {"connect timeout", c.ConnectTimeout}, {"upstream timeout", c.UpstreamTimeout}} {
+		if d.v < 0 {
+			errs = append(errs, fmt.Errorf("%s %v is negative", d.name, d.v))
+		}
+	}
+	if c.MaxBodyBytes < 0 || c.MaxConversations < 0 {
+		errs = append(errs, errors.New("max body bytes and max conversations must not be negative"))
+	}
+	return errors.Join(errs...)
+}
+
+func (c *Config) applyDefaults() {
+	if c.ReuseMode == "" {
+		c.ReuseMode = ReuseBidirectional
+	}
+	if c.CacheTTL == 0 {
+		c.CacheTTL = DefaultCacheTTL
+	}
+	if c.MaxConversations == 0 {
+		c.MaxConversations = 1 << 20
+	}
+	if c.ConnectTimeout == 0 {
+		c.ConnectTimeout = 5 * time.Second
+	}
+	if c.UpstreamTimeout == 0 {
+		c.UpstreamTimeout = 300 * time.Second
+	}
+	if c.MaxBodyBytes == 0 {
+		c.MaxBodyBytes = 64 << 20
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	if c.Clock == nil {
+		c.Clock = time.Now
+	}
+	if c.NewRequestID == nil {
+		c.NewRequestID = newUUID
+	}
+	if c.Registry == nil {
+		c.Registry = prometheus.NewRegistry()
+	}
+}
+
+// NewTransport returns the upstream transport the proxy uses by default:
+// keep-alive connections without a per-host idle cap (as the reference's
+// unlimited httpx pools), bounded connection set-up and header waits.
+func NewTransport(connectTimeout, headerTimeout time.Duration) *http.Transport {
+	d := &net.Dialer{Timeout: connectTimeout, KeepAlive: 30 * time.Second}
+	return &http.Transport{
+		Proxy:                 nil, // never route upstream traffic through an environment proxy
+		DialContext:           d.DialContext,
+		MaxIdleConns:          0,
+		MaxIdleConnsPerHost:   4096,
+		IdleConnTimeout:       90 * time.Second,
+		ResponseHeaderTimeout: headerTimeout,
+		DisableCompression:    true,
+		ForceAttemptHTTP2:     false,
+	}
+}

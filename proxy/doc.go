@@ -1,0 +1,38 @@
+// Package proxy implements gonixl's two prefill/decode (P/D) HTTP proxies,
+// behaviour-compatible with the two Python proxies vLLM ships:
+//
+//   - the toy proxy (vLLM's tests/v1/kv_connector/nixl_integration/
+//     toy_proxy_server.py): every OpenAI completion request is first sent to a
+//     prefill instance as a one-token, non-streaming request carrying
+//     kv_transfer_params{do_remote_decode: true}; the parameters the prefill
+//     instance returns are then attached to the client's request, which goes to
+//     a decode instance whose response body is relayed unchanged (server-sent
+//     events are flushed as they arrive);
+//   - the multi-turn proxy (vLLM's examples/disaggregated/
+//     disaggregated_serving/disagg_proxy_multiturn.py): in addition, the
+//     decode instance's final kv_transfer_params are cached per
+//     conversation_id (single use, 450 s by default) and handed to the prefill
+//     instance on the conversation's next turn, so that the prefill instance
+//     pulls the decode instance's blocks (bidirectional KV transfer).
+//
+// Prefill and decode instances are chosen by two independent round robins.
+// Both modes serve GET /healthcheck (toy format), GET /health (multi-turn
+// format, also evicts stale cache entries) and GET /metrics (the proxy's own
+// Prometheus registry).
+//
+// Errors: an unreachable, failing (5xx) or silent upstream gives the client a
+// 502 or 504 with an OpenAI-style JSON error body; a 4xx from an upstream is
+// relayed as is (it is the client's error). A client that disconnects cancels
+// the upstream requests through the request context.
+//
+// Imports: the standard library (net/http, net/http/httputil, encoding/json),
+// client_golang and zap. It imports none of gonixl's engine packages (nixl,
+// shim, sidechannel, capi): the proxy only moves JSON between HTTP servers.
+//
+// Concurrency: a *Proxy is safe for concurrent use by any number of requests
+// (it is an http.Handler). Round-robin counters are atomic; the conversation
+// cache is guarded by a mutex and reads time only through Config.Clock, so tests
+// drive expiry without sleeping. The package starts no goroutines of its own
+// beyond those net/http starts per connection, and never calls os.Exit or
+// installs signal handlers.
+package proxy

@@ -1,0 +1,426 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+)
+
+// Proxy is the P/D proxy; it is an http.Handler.
+type Proxy struct {
+	cfg       Config
+	transport http.RoundTripper
+	ownsTr    *http.Transport // the transport New made, closed by Close
+	client    *http.Client
+	cache     *ConversationCache
+	m         *metrics
+	mux       *http.ServeMux
+	models    *httputil.ReverseProxy
+
+	prefillRR atomic.Uint64
+	decodeRR  atomic.Uint64
+
+	warnNoConvOnce sync.Once
+}
+
+// New validates cfg and returns a proxy.
+func New(cfg Config) (*Proxy, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("proxy config: %w", err)
+	}
+	cfg.applyDefaults()
+	cfg.Prefill = append([]Instance(nil), cfg.Prefill...)
+	cfg.Decode = append([]Instance(nil), cfg.Decode...)
+	p := &Proxy{cfg: cfg, transport: cfg.Transport}
+	if p.transport == nil {
+		p.ownsTr = NewTransport(cfg.ConnectTimeout, cfg.UpstreamTimeout)
+		p.transport = p.ownsTr
+	}
+	// No client-level timeout: a decode stream may legitimately run long; the
+	// waits are bounded per phase (see upstreamTimer).
+	p.client = &http.Client{Transport: p.transport}
+	p.cache = NewConversationCache(cfg.CacheTTL, cfg.MaxConversations, cfg.Clock)
+	m, err := newMetrics(cfg.Registry, func() float64 { return float64(p.cache.Len()) })
+	if err != nil {
+		return nil, fmt.Errorf("proxy metrics: %w", err)
+	}
+	p.m = m
+	p.models = &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			inst := p.nextDecode()
+			u, _ := url.Parse(inst.BaseURL()) // BaseURL is always well formed
+			pr.SetURL(u)
+			pr.Out.URL.Path = "/v1/models"
+			pr.Out.URL.RawPath = ""
+			p.setAuth(pr.Out.Header, pr.In.Header)
+		},
+		Transport: p.transport,
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			p.writeFailure(w, r, &upstreamError{role: roleDecode, err: err, reason: reasonOf(r.Context(), err)})
+		},
+	}
+
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) {
+		p.serveCompletion(w, r, "completions", "/completions")
+	})
+	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
+		p.serveCompletion(w, r, "chat_completions", "/chat/completions")
+	})
+	mux.HandleFunc("GET /v1/models", p.models.ServeHTTP)
+	mux.HandleFunc("GET /healthcheck", p.serveHealthcheck)
+	mux.HandleFunc("GET /health", p.serveHealth)
+	mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Registry, promhttp.HandlerOpts{}))
+	p.mux = mux
+	return p, nil
+}
+
+// ServeHTTP implements http.Handler.
+func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) { p.mux.ServeHTTP(w, r) }
+
+// Close releases idle upstream connections of the transport New created.
+func (p *Proxy) Close() {
+	if p.ownsTr != nil {
+		p.ownsTr.CloseIdleConnections()
+	}
+}
+
+// Cache returns the multi-turn conversation cache.
+func (p *Proxy) Cache() *ConversationCache { return p.cache }
+
+func (p *Proxy) nextPrefill() Instance {
+	return p.cfg.Prefill[(p.prefillRR.Add(1)-1)%uint64(len(p.cfg.Prefill))]
+}
+
+func (p *Proxy) nextDecode() Instance {
+	return p.cfg.Decode[(p.decodeRR.Add(1)-1)%uint64(len(p.cfg.Decode))]
+}
+
+func (p *Proxy) serveHealthcheck(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{
+		"status":            "ok",
+		"prefill_instances": len(p.cfg.Prefill),
+		"decode_instances":  len(p.cfg.Decode),
+	})
+}
+
+func (p *Proxy) serveHealth(w http.ResponseWriter, _ *http.Request) {
+	evicted := p.cache.EvictStale()
+	writeJSON(w, http.StatusOK, map[string]any{
+		"status":               "ok",
+		"cached_conversations": p.cache.Len(),
+		"evicted_stale":        evicted,
+	})
+}
+
+// exchange is one client request on its way through the proxy.
+type exchange struct {
+	w        *statusWriter
+	r        *http.Request
+	route    string
+	endpoint string // "/completions" or "/chat/completions"
+	reqID    string
+	body     object
+	raw      []byte
+	log      *zap.Logger
+}
+
+func (p *Proxy) serveCompletion(w http.ResponseWriter, r *http.Request, route, endpoint string) {
+	p.m.inflight.Inc()
+	sw := &statusWriter{ResponseWriter: w}
+	defer func() {
+		p.m.inflight.Dec()
+		code := sw.code
+		if code == 0 {
+			code = 499 // the client went away before a response was written
+		}
+		p.m.requests.WithLabelValues(route, strconv.Itoa(code)).Inc()
+	}()
+
+	raw, err := io.ReadAll(http.MaxBytesReader(sw, r.Body, p.cfg.MaxBodyBytes))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			p.m.errors.WithLabelValues(roleClient, "bad_request").Inc()
+			writeError(sw, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large",
+				fmt.Sprintf("request body exceeds %d bytes", mbe.Limit))
+			return
+		}
+		p.m.errors.WithLabelValues(roleClient, "canceled").Inc()
+		return
+	}
+	body, err := parseObject(raw)
+	if err != nil {
+		p.m.errors.WithLabelValues(roleClient, "bad_request").Inc()
+		writeError(sw, http.StatusBadRequest, "invalid_request_error", "invalid_json",
+			"request body is not a JSON object: "+err.Error())
+		return
+	}
+	reqID := r.Header.Get("X-Request-Id")
+	if reqID == "" {
+		reqID = p.cfg.NewRequestID()
+	}
+	ex := &exchange{w: sw, r: r, route: route, endpoint: endpoint, reqID: reqID, body: body, raw: raw,
+		log: p.cfg.Logger.With(zap.String("request_id", reqID), zap.String("route", route))}
+	if p.cfg.Mode == ModeMultiturn {
+		p.serveMultiturn(ex)
+		return
+	}
+	p.serveToy(ex)
+}
+
+// setAuth sets the upstream Authorization header: the configured API key, or
+// else the client's own header.
+func (p *Proxy) setAuth(h http.Header, client http.Header) {
+	switch {
+	case p.cfg.APIKey != "":
+		h.Set("Authorization", "Bearer "+p.cfg.APIKey)
+	case client.Get("Authorization") != "":
+		h.Set("Authorization", client.Get("Authorization"))
+	default:
+		h.Del("Authorization")
+	}
+}
+
+func (p *Proxy) newUpstreamRequest(ctx context.Context, ex *exchange, inst Instance, body []byte) (*http.Request, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, inst.BaseURL()+ex.endpoint, bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", ex.reqID)
+	p.setAuth(req.Header, ex.r.Header)
+	return req, nil
+}
+
+// errUpstreamTimeout is the cancellation cause when an upstream wait runs
+// past Config.UpstreamTimeout.
+var errUpstreamTimeout = errors.New("upstream timeout")
+
+// prefill sends the rewritten request to a prefill instance and returns its
+// parsed JSON response.
+func (p *Proxy) prefill(ex *exchange, inst Instance, body []byte) (object, *upstreamError) {
+	ctx, cancel := context.WithTimeoutCause(ex.r.Context(), p.cfg.UpstreamTimeout, errUpstreamTimeout)
+	defer cancel()
+	fail := func(reason string, err error) *upstreamError {
+		return &upstreamError{role: rolePrefill, target: inst.String(), reason: reason, err: err}
+	}
+	req, err := p.newUpstreamRequest(ctx, ex, inst, body)
+	if err != nil {
+		return nil, fail("transport", err)
+	}
+	start := time.Now()
+	resp, err := p.client.Do(req)
+	if err != nil {
+		return nil, fail(reasonOf(ctx, err), err)
+	}
+	defer resp.Body.Close()
+	p.m.upstreamLatency.WithLabelValues(rolePrefill).Observe(time.Since(start).Seconds())
+	data, err := io.ReadAll(io.LimitReader(resp.Body, p.cfg.MaxBodyBytes+1))
+	if err != nil {
+		return nil, fail(reasonOf(ctx, err), err)
+	}
+	p.m.upstreamTotal.WithLabelValues(rolePrefill).Observe(time.Since(start).Seconds())
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		ue := fail("status", fmt.Errorf("HTTP %d", resp.StatusCode))
+		ue.status, ue.body, ue.ctype = resp.StatusCode, data, resp.Header.Get("Content-Type")
+		return nil, ue
+	}
+	if int64(len(data)) > p.cfg.MaxBodyBytes {
+		return nil, fail("bad_response", fmt.Errorf("response exceeds %d bytes", p.cfg.MaxBodyBytes))
+	}
+	o, err := parseObject(data)
+	if err != nil {
+		return nil, fail("bad_response", fmt.Errorf("response is not a JSON object: %w", err))
+	}
+	return o, nil
+}
+
+// upstreamTimer cancels an upstream request when no progress (response
+// headers, then each body read) happens within the timeout.
+type upstreamTimer struct {
+	t *time.Timer
+	d time.Duration
+}
+
+func startUpstreamTimer(d time.Duration, cancel context.CancelCauseFunc) *upstreamTimer {
+	return &upstreamTimer{t: time.AfterFunc(d, func() { cancel(errUpstreamTimeout) }), d: d}
+}
+
+func (u *upstreamTimer) progress() { u.t.Reset(u.d) }
+func (u *upstreamTimer) stop()     { u.t.Stop() }
+
+// openDecode sends body to a decode instance and returns the response once its
+// headers arrived with a 2xx status. The caller reads and closes the body,
+// calls timer.progress() after each read and finally cancel(nil).
+func (p *Proxy) openDecode(ex *exchange, inst Instance, body []byte) (*http.Response, context.Context, context.CancelCauseFunc, *upstreamTimer, *upstreamError) {
+	ctx, cancel := context.WithCancelCause(ex.r.Context())
+	timer := startUpstreamTimer(p.cfg.UpstreamTimeout, cancel)
+	fail := func(reason string, err error) *upstreamError {
+		timer.stop()
+		cancel(nil)
+		return &upstreamError{role: roleDecode, target: inst.String(), reason: reason, err: err}
+	}
+	req, err := p.newUpstreamRequest(ctx, ex, inst, body)
+	if err != nil {
+		return nil, nil, nil, nil, fail("transport", err)
+	}
+	start := time.Now()
+	resp, err := p.client.Do(req)
+	if err != nil {
+		return nil, nil, nil, nil, fail(reasonOf(ctx, err), err)
+	}
+	timer.progress()
+	p.m.upstreamLatency.WithLabelValues(roleDecode).Observe(time.Since(start).Seconds())
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		data, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+		resp.Body.Close()
+		ue := fail("status", fmt.Errorf("HTTP %d", resp.StatusCode))
+		ue.status, ue.body, ue.ctype = resp.StatusCode, data, resp.Header.Get("Content-Type")
+		return nil, nil, nil, nil, ue
+	}
+	return resp, ctx, cancel, timer, nil
+}
+
+// reasonOf classifies an upstream error.
+func reasonOf(ctx context.Context, err error) string {
+	if errors.Is(context.Cause(ctx), errUpstreamTimeout) {
+		return "timeout"
+	}
+	if ctx.Err() != nil {
+		return "canceled"
+	}
+	var ne interface{ Timeout() bool }
+	if errors.As(err, &ne) && ne.Timeout() {
+		return "timeout"
+	}
+	return "transport"
+}
+
+// upstreamError is a failed upstream exchange.
+type upstreamError struct {
+	role   string
+	target string
+	reason string // transport, timeout, canceled, status, bad_response
+	err    error
+	status int    // upstream HTTP status when reason is "status"
+	body   []byte // upstream body when reason is "status"
+	ctype  string
+}
+
+// writeFailure answers the client for a failed upstream exchange.
+func (p *Proxy) writeFailure(w http.ResponseWriter, r *http.Request, ue *upstreamError) {
+	log := p.cfg.Logger.With(zap.String("role", ue.role), zap.String("upstream", ue.target),
+		zap.String("reason", ue.reason), zap.Error(ue.err))
+	if r.Context().Err() != nil {
+		// The client went away; the upstream request was canceled with it.
+		p.m.errors.WithLabelValues(roleClient, "canceled").Inc()
+		log.Debug("client disconnected")
+		return
+	}
+	p.m.errors.WithLabelValues(ue.role, ue.reason).Inc()
+	switch {
+	case ue.reason == "status" && ue.status >= 400 && ue.status < 500:
+		// The client's own error (bad model, bad parameters): relay it.
+		log.Info("upstream rejected the request", zap.Int("status", ue.status))
+		if ue.ctype != "" {
+			w.Header().Set("Content-Type", ue.ctype)
+		}
+		w.WriteHeader(ue.status)
+		_, _ = w.Write(ue.body)
+	case ue.reason == "timeout":
+		log.Warn("upstream timed out")
+		writeError(w, http.StatusGatewayTimeout, "upstream_timeout", "upstream_timeout",
+			fmt.Sprintf("%s instance %s did not answer within %v", ue.role, ue.target, p.cfg.UpstreamTimeout))
+	case ue.reason == "status":
+		log.Warn("upstream failed", zap.Int("status", ue.status), zap.ByteString("body", truncate(ue.body, 512)))
+		writeError(w, http.StatusBadGateway, "upstream_error", "upstream_error",
+			fmt.Sprintf("%s instance %s returned HTTP %d: %s", ue.role, ue.target, ue.status, truncate(ue.body, 512)))
+	default:
+		log.Warn("upstream unreachable or invalid")
+		writeError(w, http.StatusBadGateway, "upstream_error", "upstream_error",
+			fmt.Sprintf("%s instance %s: %v", ue.role, ue.target, ue.err))
+	}
+}
+
+func truncate(b []byte, n int) []byte {
+	if len(b) <= n {
+		return b
+	}
+	return b[:n]
+}
+
+// errorBody is an OpenAI-style error.
+type errorBody struct {
+	Error errorDetail `json:"error"`
+}
+
+type errorDetail struct {
+	Message string `json:"message"`
+	Type    string `json:"type"`
+	Param   any    `json:"param"`
+	Code    any    `json:"code"`
+}
+
+func writeError(w http.ResponseWriter, status int, typ string, code any, msg string) {
+	writeJSON(w, status, errorBody{Error: errorDetail{Message: msg, Type: typ, Code: code}})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		status, b = http.StatusInternalServerError, []byte(`{"error":{"message":"encoding response failed","type":"internal_error"}}`)
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
+	w.WriteHeader(status)
+	_, _ = w.Write(b)
+}
+
+// statusWriter records the status code written; Flush and Unwrap keep
+// streaming working through it.
+type statusWriter struct {
+	http.ResponseWriter
+	code int
+}
+
+func (s *statusWriter) WriteHeader(code int) {
+	if s.code == 0 {
+		s.code = code
+	}
+	s.ResponseWriter.WriteHeader(code)
+}
+
+func (s *statusWriter) Write(b []byte) (int, error) {
+	if s.code == 0 {
+		s.code = http.StatusOK
+	}
+	return s.ResponseWriter.Write(b)
+}
+
+func (s *statusWriter) Flush() { _ = http.NewResponseController(s.ResponseWriter).Flush() }
+
+func (s *statusWriter) Unwrap() http.ResponseWriter { return s.ResponseWriter }
+
+// newUUID returns a random RFC 4122 version 4 UUID, as Python's uuid4().
+func newUUID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails on Linux
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+}

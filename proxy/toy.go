@@ -1,0 +1,107 @@
+package proxy
+
+import (
+	"errors"
+	"io"
+	"net/http"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// serveToy is toy_proxy_server.py's request path: prefill with one token,
+// then relay the decode instance's response body unchanged.
+func (p *Proxy) serveToy(ex *exchange) {
+	pi := p.nextPrefill()
+	pbody, err := toyPrefillBody(ex.body)
+	if err != nil {
+		writeError(ex.w, http.StatusBadRequest, "invalid_request_error", "invalid_json", err.Error())
+		return
+	}
+	presp, ue := p.prefill(ex, pi, pbody)
+	if ue != nil {
+		p.writeFailure(ex.w, ex.r, ue)
+		return
+	}
+	// The decode instance gets the client's body unchanged, plus the prefill
+	// instance's kv_transfer_params when it returned any.
+	dbody := ex.raw
+	if _, ok := kvParams(presp); ok {
+		d := ex.body.clone()
+		d["kv_transfer_params"] = presp["kv_transfer_params"]
+		if dbody, err = d.marshal(); err != nil {
+			writeError(ex.w, http.StatusInternalServerError, "internal_error", "internal_error", err.Error())
+			return
+		}
+	}
+	di := p.nextDecode()
+	ex.log.Debug("routing", zap.Stringer("prefill", pi), zap.Stringer("decode", di))
+	p.relayDecode(ex, di, dbody)
+}
+
+// relayDecode streams a decode instance's response to the client, flushing
+// after every read so that server-sent events pass as they arrive.
+func (p *Proxy) relayDecode(ex *exchange, di Instance, body []byte) {
+	start := time.Now()
+	resp, ctx, cancel, timer, ue := p.openDecode(ex, di, body)
+	if ue != nil {
+		p.writeFailure(ex.w, ex.r, ue)
+		return
+	}
+	defer cancel(nil)
+	defer timer.stop()
+	defer resp.Body.Close()
+
+	h := ex.w.Header()
+	if ct := resp.Header.Get("Content-Type"); ct != "" {
+		h.Set("Content-Type", ct)
+	} else {
+		h.Set("Content-Type", "application/json")
+	}
+	if cl := resp.Header.Get("Content-Length"); cl != "" {
+		h.Set("Content-Length", cl)
+	}
+	ex.w.WriteHeader(resp.StatusCode)
+	ex.w.Flush()
+
+	buf := make([]byte, 32<<10)
+	for {
+		n, rerr := resp.Body.Read(buf)
+		if n > 0 {
+			timer.progress()
+			if _, werr := ex.w.Write(buf[:n]); werr != nil {
+				p.m.errors.WithLabelValues(roleClient, "canceled").Inc()
+				ex.log.Debug("client write failed", zap.Error(werr))
+				return
+			}
+			ex.w.Flush()
+		}
+		if rerr == io.EOF {
+			p.m.upstreamTotal.WithLabelValues(roleDecode).Observe(time.Since(start).Seconds())
+			return
+		}
+		if rerr != nil {
+			p.abortStream(ex, di, reasonOf(ctx, rerr), rerr)
+		}
+	}
+}
+
+// abortStream ends a response whose headers are already sent: the client
+// connection is aborted so that the client sees a truncated stream instead of
+// a clean end.
+func (p *Proxy) abortStream(ex *exchange, di Instance, reason string, err error) {
+	if ex.r.Context().Err() != nil {
+		p.m.errors.WithLabelValues(roleClient, "canceled").Inc()
+		ex.log.Debug("client disconnected during the decode stream")
+		panic(http.ErrAbortHandler)
+	}
+	if errors.Is(err, errClientWrite) {
+		p.m.errors.WithLabelValues(roleClient, "canceled").Inc()
+		panic(http.ErrAbortHandler)
+	}
+	p.m.errors.WithLabelValues(roleDecode, reason).Inc()
+	ex.log.Warn("decode stream failed", zap.Stringer("decode", di), zap.String("reason", reason), zap.Error(err))
+	panic(http.ErrAbortHandler)
+}
+
+var errClientWrite = errors.New("writing to the client failed")
