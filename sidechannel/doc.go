@@ -1,0 +1,75 @@
+// Package sidechannel speaks vLLM's NIXL side-channel handshake, byte for
+// byte, so that a gonixl engine and a stock vLLM NixlConnector can exchange
+// agent metadata with each other.
+//
+// # Protocol (NIXL connector version 14, vLLM 0.32)
+//
+// The scheduler process of an engine runs one Listener on
+// VLLM_NIXL_SIDE_CHANNEL_HOST : VLLM_NIXL_SIDE_CHANNEL_PORT + data-parallel
+// index (ZeroMQ ROUTER). A decode worker's Client connects a REQ socket and,
+// for each target (pp_rank, tp_rank), sends msgpack (b"get_meta_msg", pp, tp)
+// and receives two frames: the msgspec encoding of NixlHandshakePayload
+// {compatibility_hash, agent_metadata_bytes} and a msgpack float64 of the
+// listener's clock. The client keeps the clock offset of the lowest-RTT
+// sample, checks the compatibility hash before it decodes the
+// NixlAgentMetadata inside (two-phase decoding), then checks the engine id.
+//
+// Encodings follow msgspec: maps keyed by field name in declaration order,
+// bytes as bin, tuples as arrays, None as nil, the smallest integer width;
+// decoding ignores unknown keys, fills defaults for absent optional fields and
+// fails on missing required fields, wrong types and trailing bytes.
+// NIXL's own agent blob (AgentMetadata.AgentMetadata) is opaque here.
+//
+// The compatibility hash is vLLM's (CompatibilityHash, HashFactors). gonixl
+// adds its transfer-engine kind as the factor "gonixl_transfer_engine" only
+// when the kind is not "nixl": an engine built on NIXL hashes exactly as
+// stock vLLM and interoperates with it, while an engine whose agent metadata
+// is not a NIXL blob (e.g. "ucx") fails the hash check against either.
+//
+// # Differences from vLLM's own listener
+//
+//   - A malformed request, an unknown rank or a rank whose payload is not
+//     set yet is answered with an error reply instead of killing the
+//     listener thread. An error reply is a NixlHandshakePayload whose hash is
+//     "gonixl-side-channel-error: <code>: <message>" with empty metadata, so
+//     a stock vLLM client fails its hash check naming the reason. A gonixl
+//     client retries "not-ready" until its deadline.
+//   - Frames above MaxFrameSize (default 16 MiB) are refused before any
+//     allocation; connections are capped and have handshake and idle
+//     deadlines.
+//   - The ZeroMQ layer is a small ZMTP 3.1 (NULL mechanism) implementation
+//     in this package, tested against libzmq through pyzmq. It is used instead
+//     of github.com/go-zeromq/zmq4 (v0.17.0) because that library allocates a
+//     frame of whatever size the peer announces before reading it, runs each
+//     peer's ZMTP greeting inside its accept loop without a deadline (one
+//     silent peer blocks every later one), and its ROUTER keys peers by the
+//     identity they announce, which is empty for every libzmq REQ peer.
+//   - Optional shared-secret authentication (auth.go): HMAC-SHA256 over
+//     request and reply. With no secret the wire bytes are exactly vLLM's.
+//     A secret on one side only fails the handshake with a message that says
+//     which side lacks it.
+//
+// # API
+//
+// Scheduler side: NewListener(ListenerConfig), Listener.SetPayload(pp, tp,
+// HandshakePayload.Encode()), Listener.Stop. Worker side:
+// NewClient(ClientConfig), Client.Start (returns a Future) or Client.Handshake
+// (blocking), Client.Close. Configuration comes in as plain structs;
+// FromEnv(os.Getenv) and ResolveSecret are the only readers of environment
+// variables.
+//
+// # Imports
+//
+// The standard library and go.uber.org/zap only (the layering rule also
+// allows zmq4 and msgpack/v5; tests use msgpack/v5 as an independent
+// decoder). It never imports nixl, shim, capi or proxy.
+//
+// # Concurrency
+//
+// Listener and Client are safe for concurrent use. A Listener serves every
+// connection on its own goroutine; Stop closes all of them and waits, and is
+// idempotent. A Client runs each handshake on its own goroutine, bounded by
+// ClientConfig.Timeout; concurrent Start calls for the same engine, address
+// and ranks share one handshake and one immutable *Result. Encode and Decode
+// functions are pure.
+package sidechannel
