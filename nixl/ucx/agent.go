@@ -1,0 +1,775 @@
+package ucx
+
+/*
+#include <stdlib.h>
+#include "gxucx.h"
+*/
+import "C"
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"unsafe"
+
+	"github.com/gonixl/gonixl/nixl"
+)
+
+// Padding appended to the C copies of peer-supplied address and rkey bytes:
+// UCX parses them by their inner lengths, and a short read past the end
+// then stays inside our allocation.
+const parsePad = 256
+
+// Bounds on the waits of teardown.
+const (
+	flushTimeoutMs = 1000
+	closeTimeoutMs = 1000
+)
+
+type localRegion struct {
+	nixl.Region
+	memh uint32 // index into agent.memhs
+	rkey []byte // packed rkey, published in the metadata
+}
+
+type remoteRegion struct {
+	mem            nixl.MemType
+	addr, len, dev uint64
+	rkey           uint32 // index into peer.rkeys
+}
+
+type peer struct {
+	name    string
+	addr    []byte
+	ep      *C.gx_ep
+	regions []remoteRegion // sorted by (mem, addr)
+	rkeys   []C.ucp_rkey_h
+	retired []C.ucp_rkey_h // from earlier loads, destroyed at teardown
+	gen     uint64
+}
+
+// agent implements nixl.Agent over one UCP context and one worker. mu
+// guards all fields and every call into C that touches the worker.
+type agent struct {
+	name      string
+	set       settings
+	telemetry bool
+
+	mu        sync.Mutex
+	c         *C.gx_agent
+	closing   bool
+	closed    bool
+	addr      []byte
+	regions   map[nixl.MemType][]*localRegion // sorted by Addr
+	memhs     []C.ucp_mem_h                   // nil once deregistered; slots are never reused
+	localGen  uint64
+	peers     map[string]*peer
+	gen       uint64
+	selfGen   uint64 // localGen the loopback peer was built from
+	graveyard []*C.gx_ep
+	xfers     map[*xfer]struct{}
+	epInfo    string
+	dropped   uint64
+	prog      *progressThread
+}
+
+func (e *engine) NewAgent(cfg nixl.AgentConfig) (nixl.Agent, error) {
+	if err := e.Available(); err != nil {
+		return nil, err
+	}
+	set, err := resolveSettings(cfg, os.Getenv)
+	if err != nil {
+		return nil, err
+	}
+	cname := C.CString(cfg.Name)
+	defer C.free(unsafe.Pointer(cname))
+	ccfg := C.CString(strings.Join(set.ucxCfg, "\n"))
+	defer C.free(unsafe.Pointer(ccfg))
+	errBuf := (*C.char)(C.malloc(1024))
+	defer C.free(unsafe.Pointer(errBuf))
+	wakeup := C.int(0)
+	if cfg.ProgressThread {
+		wakeup = 1
+	}
+	c := C.gx_agent_create(cname, ccfg, wakeup, errBuf, 1024)
+	if c == nil {
+		return nil, &nixl.Error{Status: nixl.ErrBackend, Op: "NewAgent", Msg: C.GoString(errBuf)}
+	}
+	var p unsafe.Pointer
+	var n C.size_t
+	if rc := C.gx_worker_address(c, &p, &n); rc != 0 {
+		C.gx_agent_destroy(c)
+		return nil, rcError(C.int(rc), "NewAgent", "worker address")
+	}
+	a := &agent{
+		name:      cfg.Name,
+		set:       set,
+		telemetry: cfg.Telemetry,
+		c:         c,
+		addr:      C.GoBytes(p, C.int(n)),
+		regions:   map[nixl.MemType][]*localRegion{},
+		peers:     map[string]*peer{},
+		xfers:     map[*xfer]struct{}{},
+	}
+	C.free(p)
+	if cfg.ProgressThread {
+		pt, err := startProgress(a, int(c.efd))
+		if err != nil {
+			C.gx_agent_destroy(c)
+			return nil, &nixl.Error{Status: nixl.ErrBackend, Op: "NewAgent", Msg: "progress thread", Err: err}
+		}
+		a.prog = pt
+	}
+	return a, nil
+}
+
+func (a *agent) Name() string   { return a.name }
+func (a *agent) Engine() string { return EngineName }
+
+// Info describes the agent's UCX setup in one line, for the caller's log.
+func (a *agent) Info() string {
+	prog := "progress in Check/GetNotifs"
+	if a.prog != nil {
+		prog = "progress thread"
+	}
+	return fmt.Sprintf("%s; agent %s: %s, %s", theEngine.Info(), a.name, a.set, prog)
+}
+
+// EndpointInfo returns UCX's description (ucp_ep_print_info) of the first
+// endpoint this agent created: the transports and lanes UCX selected. It is
+// "" until remote metadata has been loaded. Log it at info level: a
+// same-host peer on tcp instead of shared memory shows up here.
+func (a *agent) EndpointInfo() string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.epInfo
+}
+
+// DroppedNotifs counts received notifications that were malformed or too
+// large and therefore discarded.
+func (a *agent) DroppedNotifs() uint64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.dropped
+}
+
+func (a *agent) checkOpen(op string) error {
+	if a.closed || a.closing {
+		return nixl.Errorf(nixl.ErrInvalidParam, op, "agent %s is closed", a.name)
+	}
+	return nil
+}
+
+func validRegion(r nixl.Region) error {
+	if r.Len == 0 {
+		return fmt.Errorf("region at %#x has zero length", r.Addr)
+	}
+	if r.Addr == 0 {
+		return fmt.Errorf("region has a null address")
+	}
+	if r.Addr+r.Len < r.Addr {
+		return fmt.Errorf("region %#x+%d wraps around", r.Addr, r.Len)
+	}
+	return nil
+}
+
+func (a *agent) RegisterMem(mem nixl.MemType, regions []nixl.Region) error {
+	const op = "RegisterMem"
+	if mem != nixl.DRAM {
+		return nixl.Errorf(nixl.ErrNotSupported, op, "the ucx engine registers DRAM only, not %v", mem)
+	}
+	if len(regions) == 0 {
+		return nixl.Errorf(nixl.ErrInvalidParam, op, "no regions")
+	}
+	for _, r := range regions {
+		if err := validRegion(r); err != nil {
+			return &nixl.Error{Status: nixl.ErrInvalidParam, Op: op, Msg: err.Error()}
+		}
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.checkOpen(op); err != nil {
+		return err
+	}
+	var done []*localRegion
+	for _, r := range regions {
+		if a.findExact(mem, r) >= 0 {
+			a.rollback(done)
+			return nixl.Errorf(nixl.ErrInvalidParam, op, "region %#x+%d dev %d is already registered", r.Addr, r.Len, r.DevID)
+		}
+		var memh C.ucp_mem_h
+		var rk unsafe.Pointer
+		var rkLen C.size_t
+		rc := C.gx_mem_map(a.c, C.uint64_t(r.Addr), C.uint64_t(r.Len), &memh, &rk, &rkLen)
+		if rc != 0 {
+			a.rollback(done)
+			return rcError(rc, op, fmt.Sprintf("ucp_mem_map(%#x, %d)", r.Addr, r.Len))
+		}
+		lr := &localRegion{Region: r, memh: uint32(len(a.memhs)), rkey: C.GoBytes(rk, C.int(rkLen))}
+		C.free(rk)
+		if len(lr.rkey) == 0 || len(lr.rkey) > maxRkeyLen {
+			C.gx_mem_unmap(a.c, memh)
+			a.rollback(done)
+			return nixl.Errorf(nixl.ErrBackend, op, "packed rkey of %d bytes", len(lr.rkey))
+		}
+		a.memhs = append(a.memhs, memh)
+		a.insertLocal(mem, lr)
+		done = append(done, lr)
+	}
+	a.localGen++
+	return nil
+}
+
+// rollback unmaps regions registered by a failing RegisterMem call.
+func (a *agent) rollback(done []*localRegion) {
+	for _, lr := range done {
+		a.removeLocal(nixl.DRAM, lr)
+		C.gx_mem_unmap(a.c, a.memhs[lr.memh])
+		a.memhs[lr.memh] = nil
+	}
+}
+
+func (a *agent) insertLocal(mem nixl.MemType, lr *localRegion) {
+	rs := a.regions[mem]
+	i := sort.Search(len(rs), func(i int) bool { return rs[i].Addr > lr.Addr })
+	rs = append(rs, nil)
+	copy(rs[i+1:], rs[i:])
+	rs[i] = lr
+	a.regions[mem] = rs
+}
+
+func (a *agent) removeLocal(mem nixl.MemType, lr *localRegion) {
+	rs := a.regions[mem]
+	for i, x := range rs {
+		if x == lr {
+			a.regions[mem] = append(rs[:i], rs[i+1:]...)
+			return
+		}
+	}
+}
+
+func (a *agent) findExact(mem nixl.MemType, r nixl.Region) int {
+	for i, x := range a.regions[mem] {
+		if x.Region == r {
+			return i
+		}
+	}
+	return -1
+}
+
+func (a *agent) DeregisterMem(mem nixl.MemType, regions []nixl.Region) error {
+	const op = "DeregisterMem"
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.checkOpen(op); err != nil {
+		return err
+	}
+	// All or nothing: every region must match a registration exactly.
+	for _, r := range regions {
+		if a.findExact(mem, r) < 0 {
+			return nixl.Errorf(nixl.ErrNotFound, op, "region %#x+%d dev %d (%v) is not registered", r.Addr, r.Len, r.DevID, mem)
+		}
+	}
+	var last error
+	for _, r := range regions {
+		i := a.findExact(mem, r)
+		if i < 0 {
+			continue // listed twice
+		}
+		lr := a.regions[mem][i]
+		a.removeLocal(mem, lr)
+		if rc := C.gx_mem_unmap(a.c, a.memhs[lr.memh]); rc != 0 {
+			last = rcError(rc, op, "ucp_mem_unmap")
+		}
+		a.memhs[lr.memh] = nil
+	}
+	a.localGen++
+	return last
+}
+
+func (a *agent) LocalMetadata() ([]byte, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.checkOpen("LocalMetadata"); err != nil {
+		return nil, err
+	}
+	return a.localMetadataLocked()
+}
+
+func (a *agent) localMetadataLocked() ([]byte, error) {
+	v := theEngine.version
+	m := metadata{
+		UCXVersion: uint32(v[0])<<16 | uint32(v[1])<<8 | uint32(v[2]),
+		Name:       a.name,
+		Address:    a.addr,
+	}
+	mems := make([]int, 0, len(a.regions))
+	for mem := range a.regions {
+		mems = append(mems, int(mem))
+	}
+	sort.Ints(mems)
+	for _, mem := range mems {
+		for _, lr := range a.regions[nixl.MemType(mem)] {
+			m.Regions = append(m.Regions, mdRegion{Mem: nixl.MemType(mem), Addr: lr.Addr, Len: lr.Len, DevID: lr.DevID, Rkey: lr.rkey})
+		}
+	}
+	b, err := m.encode()
+	if err != nil {
+		return nil, &nixl.Error{Status: nixl.ErrBackend, Op: "LocalMetadata", Msg: err.Error()}
+	}
+	return b, nil
+}
+
+func (a *agent) LoadRemoteMetadata(md []byte) (string, error) {
+	const op = "LoadRemoteMetadata"
+	m, err := decodeMetadata(md)
+	if err != nil {
+		return "", &nixl.Error{Status: nixl.ErrInvalidParam, Op: op, Msg: err.Error()}
+	}
+	if m.Name == a.name {
+		return "", nixl.Errorf(nixl.ErrInvalidParam, op, "metadata of agent %q is this agent's own", m.Name)
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.checkOpen(op); err != nil {
+		return "", err
+	}
+	if err := a.loadLocked(m); err != nil {
+		return "", err
+	}
+	return m.Name, nil
+}
+
+// cBytes copies b into C memory with parsePad zero bytes after it.
+func cBytes(b []byte) unsafe.Pointer {
+	p := C.calloc(C.size_t(len(b)+parsePad), 1)
+	if p != nil && len(b) > 0 {
+		copy(unsafe.Slice((*byte)(p), len(b)), b)
+	}
+	return p
+}
+
+func (a *agent) loadLocked(m *metadata) error {
+	const op = "LoadRemoteMetadata"
+	p := a.peers[m.Name]
+	if p != nil && !bytes.Equal(p.addr, m.Address) {
+		var st C.int
+		if C.gx_ep_failed(p.ep, &st) == 0 {
+			return nixl.Errorf(nixl.ErrNotAllowed, op,
+				"agent %q is loaded with another worker address; invalidate it first", m.Name)
+		}
+		// The old incarnation's endpoint failed: this is a restarted peer.
+		a.teardownPeer(p)
+		delete(a.peers, m.Name)
+		p = nil
+	}
+	fresh := p == nil
+	if fresh {
+		ca := cBytes(m.Address)
+		if ca == nil {
+			return nixl.Errorf(nixl.ErrBackend, op, "out of memory")
+		}
+		errBuf := (*C.char)(C.malloc(1024))
+		peerMode := C.int(0)
+		if a.set.peerMode {
+			peerMode = 1
+		}
+		ep := C.gx_ep_create(a.c, ca, C.size_t(len(m.Address)), peerMode, errBuf, 1024)
+		C.free(ca)
+		if ep == nil {
+			msg := C.GoString(errBuf)
+			C.free(unsafe.Pointer(errBuf))
+			if !a.set.peerMode {
+				return nixl.Errorf(nixl.ErrBackend, op, "connect to %q: %s", m.Name, msg)
+			}
+			return nixl.Errorf(nixl.ErrBackend, op,
+				"connect to %q: %s (error handling mode peer needs a transport with peer-failure detection; UCX 1.13's shared-memory transports have none: add tcp to UCX_TLS or set %s=none)",
+				m.Name, msg, ParamErrMode)
+		}
+		C.free(unsafe.Pointer(errBuf))
+		p = &peer{name: m.Name, addr: m.Address, ep: ep}
+		if a.epInfo == "" {
+			if s := C.gx_ep_info(ep); s != nil {
+				a.epInfo = fmt.Sprintf("ucx endpoint %s -> %s (error handling %s):\n%s", a.name, m.Name, a.set.errMode, strings.TrimRight(C.GoString(s), "\n"))
+				C.free(unsafe.Pointer(s))
+			}
+		}
+	}
+	rkeys := make([]C.ucp_rkey_h, 0, len(m.Regions))
+	regions := make([]remoteRegion, 0, len(m.Regions))
+	for i, r := range m.Regions {
+		ck := cBytes(r.Rkey)
+		if ck == nil {
+			a.destroyRkeys(rkeys)
+			return nixl.Errorf(nixl.ErrBackend, op, "out of memory")
+		}
+		var rk C.ucp_rkey_h
+		rc := C.gx_rkey_unpack(p.ep, ck, C.size_t(len(r.Rkey)), &rk)
+		C.free(ck)
+		if rc != 0 {
+			a.destroyRkeys(rkeys)
+			if fresh {
+				a.teardownPeer(p)
+			}
+			return rcError(rc, op, fmt.Sprintf("agent %q region %d: ucp_ep_rkey_unpack", m.Name, i))
+		}
+		regions = append(regions, remoteRegion{mem: r.Mem, addr: r.Addr, len: r.Len, dev: r.DevID, rkey: uint32(len(rkeys))})
+		rkeys = append(rkeys, rk)
+	}
+	sort.Slice(regions, func(i, j int) bool {
+		if regions[i].mem != regions[j].mem {
+			return regions[i].mem < regions[j].mem
+		}
+		return regions[i].addr < regions[j].addr
+	})
+	// Transfers made against the previous load keep pointers to its rkeys
+	// until they are checked again; retire rather than destroy them.
+	p.retired = append(p.retired, p.rkeys...)
+	p.rkeys = rkeys
+	p.regions = regions
+	a.gen++
+	p.gen = a.gen
+	a.peers[m.Name] = p
+	return nil
+}
+
+func (a *agent) destroyRkeys(rk []C.ucp_rkey_h) {
+	for _, r := range rk {
+		if r != nil {
+			C.gx_rkey_destroy(r)
+		}
+	}
+}
+
+// teardownPeer releases a peer in UCX's order: flush the endpoint, destroy
+// its rkeys, close it. When a live endpoint cannot be flushed in time the
+// rkeys are leaked rather than destroyed under outstanding operations.
+func (a *agent) teardownPeer(p *peer) {
+	rc := C.gx_ep_flush(a.c, p.ep, flushTimeoutMs)
+	var st C.int
+	if rc <= 0 || C.gx_ep_failed(p.ep, &st) != 0 {
+		a.destroyRkeys(p.rkeys)
+		a.destroyRkeys(p.retired)
+	}
+	p.rkeys, p.retired, p.regions = nil, nil, nil
+	C.gx_ep_close(a.c, p.ep, closeTimeoutMs)
+	// Transfers may still hold the gx_ep; it is freed with the agent.
+	a.graveyard = append(a.graveyard, p.ep)
+	p.gen = 0
+}
+
+func (a *agent) InvalidateRemote(name string) error {
+	const op = "InvalidateRemote"
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.checkOpen(op); err != nil {
+		return err
+	}
+	p := a.peers[name]
+	if p == nil {
+		return nixl.Errorf(nixl.ErrNotFound, op, "agent %q is not loaded", name)
+	}
+	a.teardownPeer(p)
+	delete(a.peers, name)
+	return nil
+}
+
+// selfPeer returns the loopback peer (an endpoint to this agent's own
+// worker), rebuilt when local registrations changed.
+func (a *agent) selfPeer() (*peer, error) {
+	if p := a.peers[a.name]; p != nil && a.selfGen == a.localGen {
+		return p, nil
+	}
+	b, err := a.localMetadataLocked()
+	if err != nil {
+		return nil, err
+	}
+	m, err := decodeMetadata(b)
+	if err != nil {
+		return nil, &nixl.Error{Status: nixl.ErrBackend, Op: "PrepDescList", Msg: err.Error()}
+	}
+	if err := a.loadLocked(m); err != nil {
+		return nil, err
+	}
+	a.selfGen = a.localGen
+	return a.peers[a.name], nil
+}
+
+type descEnt struct {
+	addr, len uint64
+	idx       uint32 // memh index (local) or rkey index (remote)
+}
+
+type descList struct {
+	a        *agent
+	agent    string
+	peer     *peer // nil for local lists
+	gen      uint64
+	mem      nixl.MemType
+	ents     []descEnt
+	released bool
+}
+
+func (d *descList) Len() int      { return len(d.ents) }
+func (d *descList) Agent() string { return d.agent }
+func (d *descList) Release() error {
+	d.a.mu.Lock()
+	defer d.a.mu.Unlock()
+	if d.released {
+		return nixl.Errorf(nixl.ErrInvalidParam, "ReleaseDescList", "descriptor list released twice")
+	}
+	d.released = true
+	d.ents = nil
+	return nil
+}
+
+func (a *agent) PrepDescList(agentName string, mem nixl.MemType, descs []nixl.Desc) (nixl.DescList, error) {
+	const op = "PrepDescList"
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.checkOpen(op); err != nil {
+		return nil, err
+	}
+	d := &descList{a: a, agent: agentName, mem: mem, ents: make([]descEnt, len(descs))}
+	for i, x := range descs {
+		if x.Len == 0 || x.Addr+x.Len < x.Addr {
+			return nil, nixl.Errorf(nixl.ErrInvalidParam, op, "descriptor %d: bad range %#x+%d", i, x.Addr, x.Len)
+		}
+	}
+	if agentName == "" {
+		rs := a.regions[mem]
+		for i, x := range descs {
+			lr := findCover(rs, x)
+			if lr == nil {
+				return nil, nixl.Errorf(nixl.ErrNotFound, op,
+					"descriptor %d (%#x+%d dev %d) is not inside a registered %v region", i, x.Addr, x.Len, x.DevID, mem)
+			}
+			d.ents[i] = descEnt{addr: x.Addr, len: x.Len, idx: lr.memh}
+		}
+		return d, nil
+	}
+	var p *peer
+	if agentName == a.name {
+		var err error
+		if p, err = a.selfPeer(); err != nil {
+			return nil, err
+		}
+	} else if p = a.peers[agentName]; p == nil {
+		return nil, nixl.Errorf(nixl.ErrNotFound, op, "no metadata loaded for agent %q", agentName)
+	}
+	for i, x := range descs {
+		r := findRemote(p.regions, mem, x)
+		if r == nil {
+			return nil, nixl.Errorf(nixl.ErrNotFound, op,
+				"descriptor %d (%#x+%d dev %d) is outside every %v region agent %q advertised", i, x.Addr, x.Len, x.DevID, mem, agentName)
+		}
+		d.ents[i] = descEnt{addr: x.Addr, len: x.Len, idx: r.rkey}
+	}
+	d.peer, d.gen = p, p.gen
+	return d, nil
+}
+
+// findCover returns a region of rs (sorted by Addr) holding all of x.
+func findCover(rs []*localRegion, x nixl.Desc) *localRegion {
+	i := sort.Search(len(rs), func(i int) bool { return rs[i].Addr > x.Addr })
+	for j := i - 1; j >= 0; j-- {
+		r := rs[j]
+		if r.DevID == x.DevID && x.Addr+x.Len <= r.Addr+r.Len {
+			return r
+		}
+	}
+	return nil
+}
+
+// findRemote returns the advertised region of type mem holding all of x.
+func findRemote(rs []remoteRegion, mem nixl.MemType, x nixl.Desc) *remoteRegion {
+	i := sort.Search(len(rs), func(i int) bool {
+		return rs[i].mem > mem || (rs[i].mem == mem && rs[i].addr > x.Addr)
+	})
+	for j := i - 1; j >= 0 && rs[j].mem == mem; j-- {
+		r := &rs[j]
+		if r.dev == x.DevID && x.Addr >= r.addr && x.Addr+x.Len <= r.addr+r.len {
+			return r
+		}
+	}
+	return nil
+}
+
+func (a *agent) MakeXfer(xop nixl.XferOp, local nixl.DescList, localIdx []int32, remote nixl.DescList, remoteIdx []int32, notif []byte) (nixl.Xfer, error) {
+	const fn = "MakeXfer"
+	if xop != nixl.Read && xop != nixl.Write {
+		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "unknown operation %v", xop)
+	}
+	ll, ok1 := local.(*descList)
+	rl, ok2 := remote.(*descList)
+	if !ok1 || !ok2 || ll == nil || rl == nil || ll.a != a || rl.a != a {
+		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "descriptor lists were not prepared by this agent")
+	}
+	if len(notif) > int(C.GX_MAX_NOTIF) {
+		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "notification of %d bytes, limit %d", len(notif), int(C.GX_MAX_NOTIF))
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.checkOpen(fn); err != nil {
+		return nil, err
+	}
+	if ll.released || rl.released {
+		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "descriptor list already released")
+	}
+	if ll.agent != "" || rl.agent == "" {
+		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "want a local list and a remote list, got agents %q and %q", ll.agent, rl.agent)
+	}
+	if ll.mem != nixl.DRAM || rl.mem != nixl.DRAM {
+		return nil, nixl.Errorf(nixl.ErrNotSupported, fn, "the ucx engine moves DRAM only")
+	}
+	if a.peers[rl.agent] != rl.peer || rl.peer.gen != rl.gen {
+		return nil, nixl.Errorf(nixl.ErrNotFound, fn, "metadata of agent %q was invalidated or reloaded after the list was prepared", rl.agent)
+	}
+	if len(localIdx) == 0 || len(localIdx) != len(remoteIdx) {
+		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "index arrays of lengths %d and %d", len(localIdx), len(remoteIdx))
+	}
+	ops := make([]op, len(localIdx))
+	var total uint64
+	for i := range localIdx {
+		li, ri := localIdx[i], remoteIdx[i]
+		if li < 0 || int(li) >= len(ll.ents) || ri < 0 || int(ri) >= len(rl.ents) {
+			return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "pair %d: index (%d, %d) out of range (%d, %d)", i, li, ri, len(ll.ents), len(rl.ents))
+		}
+		le, re := ll.ents[li], rl.ents[ri]
+		if le.len != re.len {
+			return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "pair %d: lengths differ (%d local, %d remote)", i, le.len, re.len)
+		}
+		ops[i] = op{laddr: le.addr, raddr: re.addr, len: le.len, rkey: re.idx, memh: le.idx}
+		total += le.len
+	}
+	ops = coalesce(ops)
+	x := &xfer{a: a, op: xop, peer: rl.peer, gen: rl.gen, ops: ops, bytes: total, descs: len(localIdx)}
+	x.c = C.gx_xfer_new()
+	if x.c == nil {
+		return nil, nixl.Errorf(nixl.ErrBackend, fn, "out of memory")
+	}
+	if notif != nil {
+		payload := notifPayload(a.name, notif)
+		if rc := C.gx_xfer_set_notif(x.c, unsafe.Pointer(&payload[0]), C.size_t(len(payload))); rc != 0 {
+			C.gx_xfer_free(a.c, x.c)
+			return nil, rcError(rc, fn, "notification")
+		}
+	}
+	a.xfers[x] = struct{}{}
+	return x, nil
+}
+
+// notifPayload frames a notification: [u16 name length][name][msg].
+func notifPayload(name string, msg []byte) []byte {
+	b := make([]byte, 2+len(name)+len(msg))
+	b[0], b[1] = byte(len(name)), byte(len(name)>>8)
+	copy(b[2:], name)
+	copy(b[2+len(name):], msg)
+	return b
+}
+
+func (a *agent) SendNotif(agentName string, msg []byte) error {
+	const op = "SendNotif"
+	if len(msg) > int(C.GX_MAX_NOTIF) {
+		return nixl.Errorf(nixl.ErrInvalidParam, op, "notification of %d bytes, limit %d", len(msg), int(C.GX_MAX_NOTIF))
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.checkOpen(op); err != nil {
+		return err
+	}
+	var p *peer
+	if agentName == a.name {
+		var err error
+		if p, err = a.selfPeer(); err != nil {
+			return err
+		}
+	} else if p = a.peers[agentName]; p == nil {
+		return nixl.Errorf(nixl.ErrNotFound, op, "no metadata loaded for agent %q", agentName)
+	}
+	payload := notifPayload(a.name, msg)
+	if rc := C.gx_send_notif(a.c, p.ep, unsafe.Pointer(&payload[0]), C.size_t(len(payload))); rc != 0 {
+		return rcError(rc, op, "to "+agentName)
+	}
+	return nil
+}
+
+func (a *agent) GetNotifs() ([]nixl.Notif, error) {
+	a.mu.Lock()
+	if err := a.checkOpen("GetNotifs"); err != nil {
+		a.mu.Unlock()
+		return nil, err
+	}
+	C.gx_progress(a.c, 64)
+	var dropped C.uint64_t
+	head := C.gx_notifs_take(a.c, &dropped)
+	a.dropped += uint64(dropped)
+	a.mu.Unlock()
+	var out []nixl.Notif
+	for n := head; n != nil; n = n.next {
+		data := unsafe.Pointer(C.gx_notif_data(n))
+		out = append(out, nixl.Notif{
+			Agent: C.GoStringN((*C.char)(data), C.int(n.name_len)),
+			Msg:   C.GoBytes(unsafe.Add(data, int(n.name_len)), C.int(n.msg_len)),
+		})
+	}
+	C.gx_notifs_free(head)
+	return out, nil
+}
+
+func (a *agent) Close() error {
+	a.mu.Lock()
+	if a.closed || a.closing {
+		a.mu.Unlock()
+		return nil
+	}
+	a.closing = true
+	pt := a.prog
+	a.mu.Unlock()
+	var err error
+	if pt != nil {
+		err = pt.stop() // the thread exits at its next look at a.closing
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	// Documented order: requests, then per peer flush / rkeys / endpoint,
+	// then local registrations, worker and context.
+	for x := range a.xfers {
+		C.gx_xfer_free(a.c, x.c)
+		x.c = nil
+	}
+	a.xfers = nil
+	names := make([]string, 0, len(a.peers))
+	for n := range a.peers {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		a.teardownPeer(a.peers[n])
+	}
+	a.peers = nil
+	for i, m := range a.memhs {
+		if m != nil {
+			C.gx_mem_unmap(a.c, m)
+			a.memhs[i] = nil
+		}
+	}
+	a.regions = nil
+	if pt != nil && err != nil {
+		// The thread did not stop: it may still touch the worker, so the
+		// worker is leaked rather than destroyed under it.
+		a.closed = true
+		return &nixl.Error{Status: nixl.ErrBackend, Op: "Close", Msg: "progress thread did not stop", Err: err}
+	}
+	C.gx_agent_destroy(a.c)
+	a.c = nil
+	for _, ep := range a.graveyard {
+		C.gx_ep_free(ep)
+	}
+	a.graveyard = nil
+	a.closed = true
+	return nil
+}

@@ -1,0 +1,279 @@
+package ucx
+
+import (
+	"bytes"
+	"errors"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/gonixl/gonixl/nixl"
+)
+
+// requireUCX skips when libucp cannot be loaded on this host.
+func requireUCX(t testing.TB) nixl.Engine {
+	t.Helper()
+	e, err := nixl.Lookup(EngineName)
+	if err != nil {
+		t.Fatalf("engine not registered: %v", err)
+	}
+	if err := e.Available(); err != nil {
+		t.Skipf("UCX not available: %v", err)
+	}
+	return e
+}
+
+// mmapBuf returns memory outside the Go heap, as registered memory must be.
+func mmapBuf(t testing.TB, n int) []byte {
+	t.Helper()
+	b, err := syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		t.Fatalf("mmap: %v", err)
+	}
+	t.Cleanup(func() { syscall.Munmap(b) })
+	return b
+}
+
+func addrOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(&b[0]))) }
+
+func newAgent(t testing.TB, name string, params map[string]string, progress bool) nixl.Agent {
+	t.Helper()
+	e := requireUCX(t)
+	cfg := nixl.AgentConfig{Name: name, Telemetry: true, ProgressThread: progress}
+	if params != nil {
+		cfg.BackendParams = map[string]map[string]string{"UCX": params}
+	}
+	a, err := e.NewAgent(cfg)
+	if err != nil {
+		t.Fatalf("NewAgent(%s): %v", name, err)
+	}
+	t.Cleanup(func() { a.Close() })
+	return a
+}
+
+// pair builds two agents that know each other, each with one registered
+// buffer of n bytes.
+type pairT struct {
+	a, b       nixl.Agent
+	bufA, bufB []byte
+}
+
+func newPair(t testing.TB, n int, params map[string]string, progress bool) *pairT {
+	p := &pairT{a: newAgent(t, "A", params, progress), b: newAgent(t, "B", params, progress)}
+	p.bufA, p.bufB = mmapBuf(t, n), mmapBuf(t, n)
+	if err := p.a.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(p.bufA), Len: uint64(n)}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.b.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(p.bufB), Len: uint64(n)}}); err != nil {
+		t.Fatal(err)
+	}
+	mdA, err := p.a.LocalMetadata()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mdB, err := p.b.LocalMetadata()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if name, err := p.a.LoadRemoteMetadata(mdB); err != nil || name != "B" {
+		t.Fatalf("A loads B: %q %v", name, err)
+	}
+	if name, err := p.b.LoadRemoteMetadata(mdA); err != nil || name != "A" {
+		t.Fatalf("B loads A: %q %v", name, err)
+	}
+	return p
+}
+
+// wait polls x (and progresses the other agent) until it leaves InProgress
+// or the deadline passes.
+func wait(t testing.TB, x nixl.Xfer, other nixl.Agent, d time.Duration) (nixl.Status, error) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		st, err := x.Check()
+		if st != nixl.InProgress {
+			return st, err
+		}
+		if other != nil {
+			other.GetNotifs() // progresses the target (tcp emulates RMA over AM)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("transfer still in progress after %v", d)
+		}
+	}
+}
+
+func waitNotif(t testing.TB, a nixl.Agent, other nixl.Agent, d time.Duration) nixl.Notif {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for time.Now().Before(deadline) {
+		ns, err := a.GetNotifs()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(ns) > 0 {
+			return ns[0]
+		}
+		if other != nil {
+			other.GetNotifs()
+		}
+		time.Sleep(time.Millisecond)
+	}
+	t.Fatalf("no notification within %v", d)
+	return nixl.Notif{}
+}
+
+func TestReadWriteNotif(t *testing.T) {
+	for _, mode := range []string{"peer", "none"} {
+		for _, prog := range []bool{false, true} {
+			t.Run(mode+map[bool]string{false: "", true: "/progress-thread"}[prog], func(t *testing.T) {
+				const blk, nblk = 4096, 16
+				p := newPair(t, blk*nblk, map[string]string{ParamErrMode: mode}, prog)
+				for i := range p.bufB {
+					p.bufB[i] = byte(i*7 + 3)
+				}
+				descs := make([]nixl.Desc, nblk)
+				for i := range descs {
+					descs[i] = nixl.Desc{Addr: addrOf(p.bufA) + uint64(i*blk), Len: blk}
+				}
+				rdescs := make([]nixl.Desc, nblk)
+				for i := range rdescs {
+					rdescs[i] = nixl.Desc{Addr: addrOf(p.bufB) + uint64(i*blk), Len: blk}
+				}
+				local, err := p.a.PrepDescList("", nixl.DRAM, descs)
+				if err != nil {
+					t.Fatal(err)
+				}
+				remote, err := p.a.PrepDescList("B", nixl.DRAM, rdescs)
+				if err != nil {
+					t.Fatal(err)
+				}
+				// READ blocks 0..7 from B into A in reverse, then 8..15 in order.
+				li, ri := make([]int32, nblk), make([]int32, nblk)
+				for i := 0; i < 8; i++ {
+					li[i], ri[i] = int32(i), int32(7-i)
+				}
+				for i := 8; i < nblk; i++ {
+					li[i], ri[i] = int32(i), int32(i)
+				}
+				x, err := p.a.MakeXfer(nixl.Read, local, li, remote, ri, []byte("req-1:1"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if ops, descs := x.(*xfer).Ops(); ops != 9 || descs != 16 {
+					t.Errorf("ops after coalescing = %d (from %d), want 9", ops, descs)
+				}
+				st, err := x.Post()
+				if err != nil {
+					t.Fatalf("Post: %v %v", st, err)
+				}
+				if st, err = wait(t, x, p.b, 10*time.Second); st != nixl.Success {
+					t.Fatalf("READ: %v %v", st, err)
+				}
+				for i := 0; i < nblk; i++ {
+					src := int(ri[i]) * blk
+					if !bytes.Equal(p.bufA[i*blk:(i+1)*blk], p.bufB[src:src+blk]) {
+						t.Fatalf("block %d differs from remote block %d", i, ri[i])
+					}
+				}
+				n := waitNotif(t, p.b, p.a, 10*time.Second)
+				if n.Agent != "A" || string(n.Msg) != "req-1:1" {
+					t.Errorf("notif = %+v", n)
+				}
+				tel, tst := x.Telemetry()
+				if tst != nixl.Success || tel.Bytes != blk*nblk || tel.DescCount != 9 {
+					t.Errorf("telemetry %+v %v", tel, tst)
+				}
+				// WRITE it back into B shifted, and repost the READ handle.
+				for i := range p.bufA {
+					p.bufA[i] = byte(i * 13)
+				}
+				w, err := p.a.MakeXfer(nixl.Write, local, []int32{0, 1, 2}, remote, []int32{5, 6, 7}, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := w.Post(); err != nil {
+					t.Fatal(err)
+				}
+				if st, err := wait(t, w, p.b, 10*time.Second); st != nixl.Success {
+					t.Fatalf("WRITE: %v %v", st, err)
+				}
+				if !bytes.Equal(p.bufB[5*blk:8*blk], p.bufA[:3*blk]) {
+					t.Fatal("WRITE data differs")
+				}
+				if err := w.Release(); err != nil {
+					t.Fatal(err)
+				}
+				if err := w.Release(); err == nil {
+					t.Error("second Release succeeded")
+				}
+				if err := p.a.SendNotif("B", []byte("hello")); err != nil {
+					t.Fatal(err)
+				}
+				if n := waitNotif(t, p.b, p.a, 10*time.Second); string(n.Msg) != "hello" {
+					t.Errorf("standalone notif = %+v", n)
+				}
+				info := p.a.(*agent).EndpointInfo()
+				t.Logf("%s\n%s", p.a.(*agent).Info(), info)
+				if !strings.Contains(info, "lane") {
+					t.Errorf("endpoint info has no lanes: %q", info)
+				}
+			})
+		}
+	}
+}
+
+func TestRemoteOutsideAdvertised(t *testing.T) {
+	p := newPair(t, 8192, map[string]string{ParamErrMode: "none"}, false)
+	base := addrOf(p.bufB)
+	for _, d := range []nixl.Desc{
+		{Addr: base + 8192, Len: 1},   // just past the end
+		{Addr: base + 4096, Len: 8192}, // starts inside, ends outside
+		{Addr: base - 1, Len: 2},       // starts before
+		{Addr: base, Len: 16, DevID: 1}, // wrong device
+	} {
+		_, err := p.a.PrepDescList("B", nixl.DRAM, []nixl.Desc{d})
+		if !errors.Is(err, nixl.ErrNotFound) {
+			t.Errorf("PrepDescList(%+v) = %v, want ERR_NOT_FOUND", d, err)
+		}
+	}
+	if _, err := p.a.PrepDescList("nobody", nixl.DRAM, []nixl.Desc{{Addr: base, Len: 1}}); !errors.Is(err, nixl.ErrNotFound) {
+		t.Errorf("unknown agent: %v", err)
+	}
+	if _, err := p.a.PrepDescList("", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufA) + 8000, Len: 400}}); !errors.Is(err, nixl.ErrNotFound) {
+		t.Errorf("local outside: %v", err)
+	}
+}
+
+func TestGarbageMetadata(t *testing.T) {
+	a := newAgent(t, "A", nil, false)
+	b := newAgent(t, "B", nil, false)
+	buf := mmapBuf(t, 4096)
+	if err := b.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(buf), Len: 4096}}); err != nil {
+		t.Fatal(err)
+	}
+	md, err := b.LocalMetadata()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := [][]byte{nil, {}, []byte("nixlSerDes|garbage"), md[:len(md)-1], md[:20], append(append([]byte{}, md...), 0)}
+	for i := 0; i < len(md); i += 7 {
+		c := append([]byte{}, md...)
+		c[i] ^= 0x5a
+		bad = append(bad, c)
+	}
+	for i, m := range bad {
+		if _, err := a.LoadRemoteMetadata(m); err == nil {
+			t.Errorf("garbage %d (%d bytes) loaded", i, len(m))
+		}
+	}
+	own, _ := a.LocalMetadata()
+	if _, err := a.LoadRemoteMetadata(own); err == nil {
+		t.Error("own metadata loaded as remote")
+	}
+	if _, err := a.LoadRemoteMetadata(md); err != nil {
+		t.Fatalf("good metadata after garbage: %v", err)
+	}
+}

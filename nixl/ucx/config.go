@@ -1,0 +1,126 @@
+package ucx
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+
+	"github.com/gonixl/gonixl/nixl"
+)
+
+// Backend parameters read from AgentConfig.BackendParams["UCX"]. The names
+// are NIXL's UCX plugin parameters, so a vLLM configuration that works with
+// the "nixl" engine means the same here.
+const (
+	// ParamErrMode: "peer" (default) or "none". "error_handling" is
+	// accepted as an alias.
+	ParamErrMode = "ucx_error_handling_mode"
+	// ParamEngineConfig: raw UCX settings "KEY=VAL,KEY=VAL" (keys without
+	// the UCX_ prefix), applied with ucp_config_modify.
+	ParamEngineConfig = "engine_config"
+	// ParamDevices: comma-separated device list, applied as NET_DEVICES.
+	ParamDevices = "device_list"
+)
+
+// settings is the resolved configuration of one agent.
+type settings struct {
+	peerMode bool
+	errMode  string // "peer" or "none", for Info
+	errFrom  string // where errMode came from
+	ucxCfg   []string
+}
+
+// resolveSettings validates the agent config for this engine. env is
+// os.Getenv in production (a parameter for tests).
+func resolveSettings(cfg nixl.AgentConfig, env func(string) string) (settings, error) {
+	var s settings
+	if cfg.Name == "" {
+		return s, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "agent name is empty")
+	}
+	if len(cfg.Name) > maxNameLen {
+		return s, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "agent name longer than %d bytes", maxNameLen)
+	}
+	for _, b := range cfg.Backends {
+		if b != "UCX" {
+			return s, nixl.Errorf(nixl.ErrNotSupported, "NewAgent",
+				"the ucx engine provides only the UCX backend, not %q (use transfer_engine=nixl for other NIXL backends)", b)
+		}
+	}
+	for name := range cfg.BackendParams {
+		if name != "UCX" {
+			return s, nixl.Errorf(nixl.ErrNotSupported, "NewAgent", "parameters for backend %q, the ucx engine has only UCX", name)
+		}
+	}
+	p := cfg.BackendParams["UCX"]
+	mode, from := "", ""
+	switch {
+	case p[ParamErrMode] != "":
+		mode, from = p[ParamErrMode], "backend param "+ParamErrMode
+	case p["error_handling"] != "":
+		mode, from = p["error_handling"], "backend param error_handling"
+	case env(EnvErrMode) != "":
+		mode, from = env(EnvErrMode), EnvErrMode
+	default:
+		mode, from = "peer", "default"
+	}
+	switch strings.ToLower(mode) {
+	case "peer":
+		s.peerMode, s.errMode = true, "peer"
+	case "none":
+		s.peerMode, s.errMode = false, "none"
+	default:
+		return s, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "%s=%q: want peer or none", from, mode)
+	}
+	s.errFrom = from
+
+	// NIXL's default: no rendezvous for active messages (notifications),
+	// unless the user set UCX_RNDV_THRESH.
+	if env("UCX_RNDV_THRESH") == "" {
+		s.ucxCfg = append(s.ucxCfg, "RNDV_THRESH=inf")
+	}
+	if d := strings.TrimSpace(p[ParamDevices]); d != "" {
+		var devs []string
+		for _, x := range strings.Split(d, ",") {
+			if x = strings.TrimSpace(x); x != "" {
+				if !strings.Contains(x, ":") {
+					x += ":1"
+				}
+				devs = append(devs, x)
+			}
+		}
+		s.ucxCfg = append(s.ucxCfg, "NET_DEVICES="+strings.Join(devs, ","))
+	}
+	if ec := strings.TrimSpace(p[ParamEngineConfig]); ec != "" {
+		for _, kv := range strings.Split(ec, ",") {
+			kv = strings.TrimSpace(kv)
+			if kv == "" {
+				continue
+			}
+			k, v, ok := strings.Cut(kv, "=")
+			k = strings.TrimPrefix(strings.TrimSpace(k), "UCX_")
+			if !ok || k == "" || strings.ContainsAny(k+v, "\n\x00") {
+				return s, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "%s: bad entry %q, want KEY=VAL", ParamEngineConfig, kv)
+			}
+			s.ucxCfg = append(s.ucxCfg, k+"="+strings.TrimSpace(v))
+		}
+	}
+	var unknown []string
+	for k := range p {
+		switch k {
+		case ParamErrMode, "error_handling", ParamEngineConfig, ParamDevices,
+			// Accepted for parity with NIXL; this engine has one worker.
+			"num_workers", "num_threads", "split_batch_size", "ucx_ep_close_force", "ucx_num_device_channels":
+		default:
+			unknown = append(unknown, k)
+		}
+	}
+	if len(unknown) > 0 {
+		sort.Strings(unknown)
+		return s, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "unknown UCX backend parameters %v", unknown)
+	}
+	return s, nil
+}
+
+func (s settings) String() string {
+	return fmt.Sprintf("error handling %s (%s)", s.errMode, s.errFrom)
+}

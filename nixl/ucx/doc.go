@@ -1,0 +1,73 @@
+// Package ucx is gonixl's "ucx" transfer engine: a direct binding of UCX's
+// UCP API that implements nixl.Engine and nixl.Agent without NIXL. It is the
+// transfer path on hosts where NIXL cannot load (NIXL's wheels bring a UCX
+// that needs CUDA) and the place to tune transfer performance.
+//
+// # Loading
+//
+// libucp is opened with dlopen on first use (Engine.Available), never
+// linked, so libgonixl.so loads on hosts without UCX and reports why the
+// engine is unavailable. Search order: $GONIXL_UCX_LIB alone when set; else
+// libucx/lib/libucp.so.0 from a libucx-cu12/-cu13 wheel in a Python
+// site-packages directory (under $VIRTUAL_ENV or mapped into the process);
+// else the system's libucp.so.0 (Debian: libucx0). UCX 1.13 or newer is
+// required. Building needs the UCX headers (Debian: libucx-dev); the C half
+// (gxucx.c) calls UCP only through the resolved function pointers.
+//
+// # Mapping onto UCP
+//
+//   - one ucp_context and one worker (features RMA and AM, plus WAKEUP when
+//     AgentConfig.ProgressThread is set) per agent; the worker address
+//     travels in the agent metadata;
+//   - RegisterMem: ucp_mem_map and ucp_rkey_pack per region (DRAM only);
+//   - LoadRemoteMetadata: one endpoint to the peer's worker, and
+//     ucp_ep_rkey_unpack per advertised region;
+//   - PrepDescList resolves every descriptor to the registered (local) or
+//     advertised (remote) region that holds it, so an address outside the
+//     peer's regions is refused before anything is posted;
+//   - MakeXfer merges descriptor pairs that are adjacent in both local and
+//     remote memory into one operation; Post issues every ucp_get_nbx
+//     (READ) or ucp_put_nbx (WRITE) and an endpoint flush in one cgo call;
+//   - the notification, an active message (id 0, eager) carrying
+//     [u16 name length][sender name][message], is sent only once data and
+//     flush are complete.
+//
+// Metadata is this package's own versioned, checksummed format (see
+// metadata.go); it is not NIXL's, so both sides must run this engine.
+//
+// # Configuration
+//
+// BackendParams["UCX"] takes NIXL's UCX plugin keys: ucx_error_handling_mode
+// (alias error_handling) "peer" or "none", engine_config "KEY=VAL,...",
+// device_list. The error mode falls back to $GONIXL_UCX_ERR_MODE, then
+// "peer". On UCX 1.13, peer mode lets UCP use only transports that detect
+// peer failure, which pushes same-host traffic onto TCP; none allows shared
+// memory and CMA but a dead peer may then go unnoticed. UCX_* environment
+// variables apply as usual (UCX_TLS, UCX_NET_DEVICES, ...). The agent's
+// EndpointInfo method returns UCX's lane summary for the first endpoint and
+// Info a one-line description; callers log both at info level (this package
+// does not log).
+//
+// # Imports
+//
+// The standard library and package nixl. cgo and unsafe are confined to
+// this package.
+//
+// # Concurrency
+//
+// An agent is safe for concurrent use: one mutex per agent serialises every
+// call into UCX (the worker is created UCS_THREAD_MODE_SERIALIZED). Progress
+// happens inside Check, GetNotifs and teardown, and, with
+// AgentConfig.ProgressThread, on a dedicated locked OS thread that sleeps in
+// poll(2) on the worker's event fd between rounds. No UCX callback calls into
+// Go: the active-message handler copies into a C-side queue under a pthread
+// mutex, and the endpoint error handler sets a flag; Go reads both later.
+//
+// # Teardown
+//
+// Close cancels and frees transfer requests, then per peer flushes the
+// endpoint (bounded), destroys its rkeys and closes it (forced when failed),
+// then unmaps local registrations and destroys the worker and the context.
+// Memory registered by the caller must stay valid until DeregisterMem or
+// Close.
+package ucx

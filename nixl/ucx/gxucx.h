@@ -1,0 +1,153 @@
+/* gxucx.h: the C half of gonixl's direct UCP backend (package nixl/ucx).
+ *
+ * libucp is never linked: gx_load dlopens it and resolves every function
+ * this file uses into a table of pointers. The UCX headers supply only types,
+ * constants and inline helpers (UCS_PTR_IS_ERR and friends).
+ *
+ * Nothing here calls into Go. UCX callbacks (active-message receive, endpoint
+ * error, send completion) are C functions that store into C-side state which
+ * Go reads later. Every function that touches a worker must be called with
+ * the owning agent's Go mutex held (the worker is created SERIALIZED).
+ */
+#ifndef GONIXL_GXUCX_H
+#define GONIXL_GXUCX_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <pthread.h>
+#include <ucp/api/ucp.h>
+
+#define GX_AM_NOTIF_ID 0
+#define GX_MAX_NOTIF (1u << 20)      /* largest accepted notification payload */
+#define GX_MAX_NAME 1024              /* largest accepted sender name */
+
+/* Errors gonixl adds on top of ucs_status_t (all below UCS_ERR_LAST). */
+#define GX_ERR_REPOST_ACTIVE (-1001)
+#define GX_ERR_EP_FAILED (-1002)
+#define GX_ERR_EP_CLOSED (-1003)
+
+/* Loads libucp from path. On failure returns -1 and writes a message into
+ * err. Must be called once per process before anything else. */
+int gx_load(const char *path, char *err, size_t errlen);
+/* Fills the loaded library's version. */
+void gx_version(unsigned *major, unsigned *minor, unsigned *release);
+/* The path of the object that actually defines ucp_init_version (dladdr). */
+const char *gx_loaded_path(void);
+const char *gx_status_string(int status);
+
+typedef struct gx_notif {
+    struct gx_notif *next;
+    uint32_t name_len;
+    uint32_t msg_len;
+    char data[]; /* name then msg */
+} gx_notif;
+
+typedef struct gx_pending {
+    struct gx_pending *next;
+    void *req;
+    void *buf;
+} gx_pending;
+
+typedef struct gx_agent {
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    int efd;          /* worker event fd (only with wakeup), else -1 */
+    gx_pending *pending; /* fire-and-forget sends still in flight */
+    pthread_mutex_t nq_mu;  /* guards the notification queue below */
+    gx_notif *nq_head, *nq_tail;
+    uint64_t nq_dropped;
+} gx_agent;
+
+/* Creates context + worker. cfg is "KEY=VAL\n..." applied with
+ * ucp_config_modify (may be NULL). wakeup adds UCP_FEATURE_WAKEUP and exposes
+ * the worker's event fd. Returns NULL with err filled on failure. */
+gx_agent *gx_agent_create(const char *name, const char *cfg, int wakeup,
+                          char *err, size_t errlen);
+/* Destroys worker and context (after every ep, rkey and memh is gone). */
+void gx_agent_destroy(gx_agent *a);
+/* Copies the worker address into a malloc'd buffer. */
+int gx_worker_address(gx_agent *a, void **out, size_t *len);
+/* Progresses the worker until it has nothing to do (at most max rounds) and
+ * reaps completed fire-and-forget sends. Returns the events processed. */
+unsigned gx_progress(gx_agent *a, unsigned max);
+/* Progress then arm the worker's event fd. Returns 1 when the caller may
+ * sleep on the fd, 0 when there is more work. */
+int gx_progress_arm(gx_agent *a);
+/* Blocks in poll(2) on the worker fd and wakefd for at most timeout_ms.
+ * Does not touch the worker: call it without the Go mutex. */
+void gx_wait(int efd, int wakefd, int timeout_ms);
+/* Detaches and returns the queued notifications (caller frees each node). */
+gx_notif *gx_notifs_take(gx_agent *a, uint64_t *dropped);
+void gx_notifs_free(gx_notif *n);
+static inline const char *gx_notif_data(const gx_notif *n) { return n->data; }
+
+typedef struct gx_ep {
+    ucp_ep_h ep;
+    volatile int failed;   /* set by the error callback */
+    volatile int status;   /* the ucs_status_t it reported */
+    int closed;
+} gx_ep;
+
+/* Creates an endpoint to a worker address. peer_mode selects
+ * UCP_ERR_HANDLING_MODE_PEER (else NONE). */
+gx_ep *gx_ep_create(gx_agent *a, const void *addr, size_t len, int peer_mode,
+                    char *err, size_t errlen);
+/* Reports whether UCX declared the endpoint failed (and with which status). */
+int gx_ep_failed(gx_ep *e, int *status);
+/* Writes ucp_ep_print_info into a malloc'd NUL-terminated string. */
+char *gx_ep_info(gx_ep *e);
+/* Flushes every outstanding operation on the endpoint, progressing for at
+ * most timeout_ms. Returns 0 when flushed, 1 on timeout, <0 on failure. */
+int gx_ep_flush(gx_agent *a, gx_ep *e, int timeout_ms);
+/* Closes the endpoint: flush-close (force if failed), progressing for at most
+ * timeout_ms. The gx_ep struct stays allocated (freed by gx_ep_free). */
+void gx_ep_close(gx_agent *a, gx_ep *e, int timeout_ms);
+void gx_ep_free(gx_ep *e);
+
+/* Maps [addr, addr+len) and packs its rkey into a malloc'd buffer. */
+int gx_mem_map(gx_agent *a, uint64_t addr, uint64_t len, ucp_mem_h *memh,
+               void **rkey, size_t *rkey_len);
+int gx_mem_unmap(gx_agent *a, ucp_mem_h memh);
+int gx_rkey_unpack(gx_ep *e, const void *buf, size_t len, ucp_rkey_h *out);
+void gx_rkey_destroy(ucp_rkey_h r);
+
+/* One UCP operation of a transfer: 32 bytes, laid out identically in Go. */
+typedef struct gx_iov {
+    uint64_t laddr;
+    uint64_t raddr;
+    uint64_t len;
+    uint32_t rkey_idx;
+    uint32_t memh_idx;
+} gx_iov;
+
+enum { GX_X_IDLE = 0, GX_X_DATA = 1, GX_X_NOTIF = 2, GX_X_DONE = 3, GX_X_ERR = 4 };
+
+typedef struct gx_xfer {
+    void *data_req;
+    void *flush_req;
+    void *notif_req;
+    void *notif_buf; /* [u16 name_len][name][msg], owned by the xfer */
+    size_t notif_len;
+    int state;
+    int err;         /* ucs_status_t (or GX_ERR_*) when state == GX_X_ERR */
+} gx_xfer;
+
+gx_xfer *gx_xfer_new(void);
+/* Sets (or clears, with len 0) the notification sent after the data. */
+int gx_xfer_set_notif(gx_xfer *x, const void *buf, size_t len);
+/* Posts every op (READ: op=0 → ucp_get_nbx, WRITE: op=1 → ucp_put_nbx),
+ * then an endpoint flush. Returns 1 (in progress), 0 (done) or a negative
+ * status. */
+int gx_post(gx_agent *a, gx_ep *e, int op, const gx_iov *iov, size_t n,
+            ucp_rkey_h *rkeys, size_t nrkeys, ucp_mem_h *memhs, size_t nmemhs,
+            gx_xfer *x);
+/* Progresses (unless progress == 0) and advances x. Same returns as
+ * gx_post. */
+int gx_check(gx_agent *a, gx_ep *e, gx_xfer *x, int progress);
+/* Cancels what is in flight, hands buffers still referenced by UCX to the
+ * agent's pending list, frees x. */
+void gx_xfer_free(gx_agent *a, gx_xfer *x);
+/* Fire-and-forget notification (buf is copied). */
+int gx_send_notif(gx_agent *a, gx_ep *e, const void *buf, size_t len);
+
+#endif

@@ -1,0 +1,212 @@
+package ucx
+
+import (
+	"encoding/binary"
+	"fmt"
+	"hash/crc32"
+	"math"
+
+	"github.com/gonixl/gonixl/nixl"
+)
+
+// Metadata wire format (little endian), version 1:
+//
+//	magic    8 bytes  "GXUCXMD\x00"
+//	version  u16      1
+//	flags    u16      0 (reserved)
+//	ucxver   u32      libucp version of the writer: major<<16 | minor<<8 | release
+//	name     u16 n, n bytes (1..maxNameLen)
+//	address  u32 n, n bytes (the UCP worker address, 1..maxAddrLen)
+//	regions  u32 count (0..maxRegions), then per region:
+//	           mem u32, addr u64, len u64, devId u64, rkey u16 n, n bytes (1..maxRkeyLen)
+//	crc      u32      CRC-32C of every byte before it
+//
+// Nothing may follow the checksum. The worker address and rkeys are parsed
+// by UCX itself, which trusts their inner lengths; the checksum keeps a
+// truncated or corrupted blob from ever reaching it. A reader checks every length against
+// what remains before it reads, so a truncated or garbage blob is an error.
+const (
+	mdMagic    = "GXUCXMD\x00"
+	mdVersion  = 1
+	maxNameLen = 1024 // also the C side's GX_MAX_NAME
+	maxAddrLen = 1 << 20
+	maxRegions = 1 << 20
+	maxRkeyLen = 1 << 14
+)
+
+// metadata is the decoded form of an agent's blob.
+type metadata struct {
+	UCXVersion uint32
+	Name       string
+	Address    []byte
+	Regions    []mdRegion
+}
+
+type mdRegion struct {
+	Mem   nixl.MemType
+	Addr  uint64
+	Len   uint64
+	DevID uint64
+	Rkey  []byte
+}
+
+func (m *metadata) encode() ([]byte, error) {
+	if len(m.Name) == 0 || len(m.Name) > maxNameLen {
+		return nil, fmt.Errorf("agent name length %d outside 1..%d", len(m.Name), maxNameLen)
+	}
+	if len(m.Address) == 0 || len(m.Address) > maxAddrLen {
+		return nil, fmt.Errorf("worker address length %d outside 1..%d", len(m.Address), maxAddrLen)
+	}
+	if len(m.Regions) > maxRegions {
+		return nil, fmt.Errorf("%d regions, more than %d", len(m.Regions), maxRegions)
+	}
+	size := 8 + 2 + 2 + 4 + 2 + len(m.Name) + 4 + len(m.Address) + 4 + 4
+	for _, r := range m.Regions {
+		if len(r.Rkey) == 0 || len(r.Rkey) > maxRkeyLen {
+			return nil, fmt.Errorf("rkey length %d outside 1..%d", len(r.Rkey), maxRkeyLen)
+		}
+		size += 4 + 8 + 8 + 8 + 2 + len(r.Rkey)
+	}
+	b := make([]byte, 0, size)
+	b = append(b, mdMagic...)
+	b = binary.LittleEndian.AppendUint16(b, mdVersion)
+	b = binary.LittleEndian.AppendUint16(b, 0)
+	b = binary.LittleEndian.AppendUint32(b, m.UCXVersion)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(m.Name)))
+	b = append(b, m.Name...)
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(m.Address)))
+	b = append(b, m.Address...)
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(m.Regions)))
+	for _, r := range m.Regions {
+		b = binary.LittleEndian.AppendUint32(b, uint32(r.Mem))
+		b = binary.LittleEndian.AppendUint64(b, r.Addr)
+		b = binary.LittleEndian.AppendUint64(b, r.Len)
+		b = binary.LittleEndian.AppendUint64(b, r.DevID)
+		b = binary.LittleEndian.AppendUint16(b, uint16(len(r.Rkey)))
+		b = append(b, r.Rkey...)
+	}
+	b = binary.LittleEndian.AppendUint32(b, crc32.Checksum(b, castagnoli))
+	return b, nil
+}
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// reader consumes a blob front to back; every read checks the remaining
+// length first.
+type reader struct {
+	b   []byte
+	off int
+	err error
+}
+
+func (r *reader) take(n int, what string) []byte {
+	if r.err != nil {
+		return nil
+	}
+	if n < 0 || n > len(r.b)-r.off {
+		r.err = fmt.Errorf("truncated at byte %d reading %s (%d bytes wanted, %d left)", r.off, what, n, len(r.b)-r.off)
+		return nil
+	}
+	s := r.b[r.off : r.off+n]
+	r.off += n
+	return s
+}
+
+func (r *reader) u16(what string) uint16 {
+	if s := r.take(2, what); s != nil {
+		return binary.LittleEndian.Uint16(s)
+	}
+	return 0
+}
+
+func (r *reader) u32(what string) uint32 {
+	if s := r.take(4, what); s != nil {
+		return binary.LittleEndian.Uint32(s)
+	}
+	return 0
+}
+
+func (r *reader) u64(what string) uint64 {
+	if s := r.take(8, what); s != nil {
+		return binary.LittleEndian.Uint64(s)
+	}
+	return 0
+}
+
+// decodeMetadata parses and validates a blob. The returned slices are copies.
+func decodeMetadata(b []byte) (*metadata, error) {
+	if len(b) < len(mdMagic) || string(b[:len(mdMagic)]) != mdMagic {
+		return nil, fmt.Errorf("not gonixl ucx-engine metadata (bad magic; is the peer using another transfer engine?)")
+	}
+	if len(b) >= len(mdMagic)+2 {
+		if ver := binary.LittleEndian.Uint16(b[len(mdMagic):]); ver != mdVersion {
+			return nil, fmt.Errorf("metadata version %d, this build reads version %d", ver, mdVersion)
+		}
+	}
+	if len(b) < len(mdMagic)+2+4 {
+		return nil, fmt.Errorf("metadata truncated (%d bytes)", len(b))
+	}
+	body := b[:len(b)-4]
+	if got, want := crc32.Checksum(body, castagnoli), binary.LittleEndian.Uint32(b[len(b)-4:]); got != want {
+		return nil, fmt.Errorf("metadata checksum mismatch (corrupted or truncated blob of %d bytes)", len(b))
+	}
+	b = body
+	r := &reader{b: b}
+	r.take(len(mdMagic), "magic")
+	r.u16("version")
+	r.u16("flags")
+	m := &metadata{}
+	m.UCXVersion = r.u32("ucx version")
+	nameLen := int(r.u16("name length"))
+	if r.err == nil && (nameLen == 0 || nameLen > maxNameLen) {
+		return nil, fmt.Errorf("agent name length %d outside 1..%d", nameLen, maxNameLen)
+	}
+	m.Name = string(r.take(nameLen, "name"))
+	addrLen := r.u32("address length")
+	if r.err == nil && (addrLen == 0 || addrLen > maxAddrLen) {
+		return nil, fmt.Errorf("worker address length %d outside 1..%d", addrLen, maxAddrLen)
+	}
+	m.Address = append([]byte(nil), r.take(int(addrLen), "worker address")...)
+	n := r.u32("region count")
+	if r.err == nil && n > maxRegions {
+		return nil, fmt.Errorf("region count %d above %d", n, maxRegions)
+	}
+	// Each region needs at least 31 bytes: a count that cannot fit is
+	// rejected before anything is allocated for it.
+	if r.err == nil && uint64(n)*31 > uint64(len(b)-r.off) {
+		return nil, fmt.Errorf("region count %d does not fit in the %d bytes left", n, len(b)-r.off)
+	}
+	if r.err == nil {
+		m.Regions = make([]mdRegion, 0, n)
+	}
+	for i := uint32(0); r.err == nil && i < n; i++ {
+		var g mdRegion
+		mem := r.u32("region memory type")
+		g.Addr = r.u64("region address")
+		g.Len = r.u64("region length")
+		g.DevID = r.u64("region device id")
+		kl := int(r.u16("rkey length"))
+		if r.err != nil {
+			break
+		}
+		if mem > math.MaxInt32 || nixl.MemType(mem) > nixl.FILE {
+			return nil, fmt.Errorf("region %d: unknown memory type %d", i, mem)
+		}
+		g.Mem = nixl.MemType(mem)
+		if g.Len == 0 || g.Addr+g.Len < g.Addr {
+			return nil, fmt.Errorf("region %d: bad range addr=%#x len=%d", i, g.Addr, g.Len)
+		}
+		if kl == 0 || kl > maxRkeyLen {
+			return nil, fmt.Errorf("region %d: rkey length %d outside 1..%d", i, kl, maxRkeyLen)
+		}
+		g.Rkey = append([]byte(nil), r.take(kl, "rkey")...)
+		m.Regions = append(m.Regions, g)
+	}
+	if r.err != nil {
+		return nil, r.err
+	}
+	if r.off != len(b) {
+		return nil, fmt.Errorf("%d trailing bytes after the last region", len(b)-r.off)
+	}
+	return m, nil
+}

@@ -1,0 +1,219 @@
+package ucx
+
+/*
+#cgo CFLAGS: -O2 -Wall
+#cgo LDFLAGS: -ldl -lpthread
+#include <stdlib.h>
+#include "gxucx.h"
+*/
+import "C"
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"unsafe"
+
+	"github.com/gonixl/gonixl/nixl"
+)
+
+// EngineName is the registry key of this engine.
+const EngineName = "ucx"
+
+// Environment variables read by this package.
+const (
+	// EnvLib names the libucp to load, overriding the search.
+	EnvLib = "GONIXL_UCX_LIB"
+	// EnvErrMode sets the endpoint error-handling mode ("peer" or "none")
+	// when the backend parameters do not.
+	EnvErrMode = "GONIXL_UCX_ERR_MODE"
+)
+
+// The C array of operations is a []op reinterpreted: same size and field
+// offsets, checked here at compile time.
+var (
+	_ [unsafe.Sizeof(C.gx_iov{}) - unsafe.Sizeof(op{})]byte
+	_ [unsafe.Sizeof(op{}) - unsafe.Sizeof(C.gx_iov{})]byte
+	_ [unsafe.Offsetof(C.gx_iov{}.rkey_idx) - unsafe.Offsetof(op{}.rkey)]byte
+	_ [unsafe.Offsetof(op{}.rkey) - unsafe.Offsetof(C.gx_iov{}.rkey_idx)]byte
+	_ [unsafe.Offsetof(C.gx_iov{}.memh_idx) - unsafe.Offsetof(op{}.memh)]byte
+	_ [unsafe.Offsetof(op{}.memh) - unsafe.Offsetof(C.gx_iov{}.memh_idx)]byte
+)
+
+func init() { nixl.Register(theEngine) }
+
+var theEngine = &engine{}
+
+// engine loads libucp once per process. A process can hold only one UCX
+// (its symbols are process-wide); the first successful load wins.
+type engine struct {
+	once    sync.Once
+	err     error
+	path    string // the file that defines ucp_init_version
+	version [3]uint
+	tried   []string // candidates and why each failed
+}
+
+func (e *engine) Name() string { return EngineName }
+
+func (e *engine) Available() error {
+	e.once.Do(e.load)
+	return e.err
+}
+
+// Supports reports DRAM only: UCX detects device memory itself, but gonixl
+// only registers host memory through this engine (Debian's UCX 1.13 has no
+// CUDA transports).
+func (e *engine) Supports(mem nixl.MemType) bool { return mem == nixl.DRAM }
+
+func (e *engine) Info() string {
+	if err := e.Available(); err != nil {
+		return "ucx: unavailable: " + err.Error()
+	}
+	s := fmt.Sprintf("ucx: libucp %d.%d.%d from %s", e.version[0], e.version[1], e.version[2], e.path)
+	if len(e.tried) > 0 {
+		s += " (skipped: " + strings.Join(e.tried, "; ") + ")"
+	}
+	return s
+}
+
+// Version returns the loaded libucp's version, or zeros before a load.
+func Version() (major, minor, release uint) {
+	if theEngine.Available() != nil {
+		return 0, 0, 0
+	}
+	v := theEngine.version
+	return v[0], v[1], v[2]
+}
+
+// LibraryPath returns the libucp file in use, or "" when none loaded.
+func LibraryPath() string {
+	if theEngine.Available() != nil {
+		return ""
+	}
+	return theEngine.path
+}
+
+// candidates lists the libraries to try, in order: GONIXL_UCX_LIB alone if
+// set; else libucp.so.0 from a libucx wheel (libucx-cu12/-cu13) in any
+// Python site-packages this process can see; else the system soname.
+func candidates() []string {
+	if p := os.Getenv(EnvLib); p != "" {
+		return []string{p}
+	}
+	var out []string
+	seen := map[string]bool{}
+	for _, sp := range sitePackages() {
+		p := filepath.Join(sp, "libucx", "lib", "libucp.so.0")
+		if seen[p] {
+			continue
+		}
+		seen[p] = true
+		if _, err := os.Stat(p); err == nil {
+			out = append(out, p)
+		}
+	}
+	return append(out, "libucp.so.0")
+}
+
+// sitePackages finds Python site-packages directories: under $VIRTUAL_ENV,
+// and those holding any object already mapped into this process (inside
+// Python, torch and friends are), so an unactivated venv is found too.
+func sitePackages() []string {
+	var dirs []string
+	if ve := os.Getenv("VIRTUAL_ENV"); ve != "" {
+		m, _ := filepath.Glob(filepath.Join(ve, "lib", "python3*", "site-packages"))
+		sort.Strings(m)
+		dirs = append(dirs, m...)
+	}
+	f, err := os.Open("/proc/self/maps")
+	if err != nil {
+		return dirs
+	}
+	defer f.Close()
+	seen := map[string]bool{}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		line := sc.Text()
+		i := strings.Index(line, "/site-packages/")
+		if i < 0 {
+			continue
+		}
+		j := strings.LastIndexByte(line[:i], ' ')
+		d := line[j+1 : i+len("/site-packages")]
+		if !seen[d] {
+			seen[d] = true
+			dirs = append(dirs, d)
+		}
+	}
+	return dirs
+}
+
+func (e *engine) load() {
+	errBuf := (*C.char)(C.malloc(1024))
+	defer C.free(unsafe.Pointer(errBuf))
+	for _, p := range candidates() {
+		cp := C.CString(p)
+		rc := C.gx_load(cp, errBuf, 1024)
+		C.free(unsafe.Pointer(cp))
+		if rc != 0 {
+			e.tried = append(e.tried, p+": "+C.GoString(errBuf))
+			continue
+		}
+		e.path = C.GoString(C.gx_loaded_path())
+		var ma, mi, re C.uint
+		C.gx_version(&ma, &mi, &re)
+		e.version = [3]uint{uint(ma), uint(mi), uint(re)}
+		if e.version[0] != 1 || e.version[1] < 13 {
+			// The binding is written against the 1.13 API; older
+			// libraries lack calls or struct fields it uses.
+			e.err = fmt.Errorf("ucx: %s is UCX %d.%d, need 1.13 or newer: %w", e.path, e.version[0], e.version[1], nixl.ErrUnavailable)
+			return
+		}
+		return
+	}
+	e.err = fmt.Errorf("ucx: cannot load libucp (%s; install libucx0 or set %s): %w",
+		strings.Join(e.tried, "; "), EnvLib, nixl.ErrUnavailable)
+	e.tried = nil
+}
+
+// GX error codes added by gxucx.c on top of ucs_status_t.
+const (
+	gxErrRepostActive = -1001
+	gxErrEpFailed     = -1002
+	gxErrEpClosed     = -1003
+)
+
+// statusOf maps a gxucx return code to NIXL's status, as NIXL's UCX plugin
+// does: connection-level failures are REMOTE_DISCONNECT, bad arguments
+// INVALID_PARAM, everything else BACKEND.
+func statusOf(rc C.int) nixl.Status {
+	switch int(rc) {
+	case 0:
+		return nixl.Success
+	case 1:
+		return nixl.InProgress
+	case gxErrRepostActive:
+		return nixl.ErrRepostActive
+	case gxErrEpFailed, gxErrEpClosed,
+		C.UCS_ERR_NOT_CONNECTED, C.UCS_ERR_CONNECTION_RESET, C.UCS_ERR_ENDPOINT_TIMEOUT, C.UCS_ERR_CANCELED:
+		return nixl.ErrRemoteDiscon
+	case C.UCS_ERR_INVALID_PARAM:
+		return nixl.ErrInvalidParam
+	}
+	if int(rc) <= C.UCS_ERR_FIRST_LINK_FAILURE && int(rc) >= C.UCS_ERR_LAST_ENDPOINT_FAILURE {
+		return nixl.ErrRemoteDiscon
+	}
+	return nixl.ErrBackend
+}
+
+func rcError(rc C.int, op, what string) error {
+	return &nixl.Error{Status: statusOf(rc), Op: op, Msg: what + ": " + C.GoString(C.gx_status_string(rc))}
+}
+
+var errClosed = errors.New("agent closed")

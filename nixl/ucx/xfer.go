@@ -1,0 +1,162 @@
+package ucx
+
+/*
+#include "gxucx.h"
+*/
+import "C"
+
+import (
+	"time"
+	"unsafe"
+
+	"github.com/gonixl/gonixl/nixl"
+)
+
+// xfer is a prepared transfer. Its C state (gx_xfer) holds the in-flight
+// UCX requests; all access goes through the agent's mutex.
+type xfer struct {
+	a     *agent
+	op    nixl.XferOp
+	peer  *peer
+	gen   uint64
+	ops   []op // coalesced; crosses into C as a gx_iov array
+	bytes uint64
+	descs int // descriptor pairs before coalescing
+
+	c        *C.gx_xfer
+	posted   bool
+	final    nixl.Status // sticky terminal status (Success or an error) once reached
+	finalErr error
+	start    time.Time
+	postDur  time.Duration
+	xferDur  time.Duration
+	released bool
+}
+
+// Ops reports how many UCP operations one post issues, after coalescing,
+// and how many descriptor pairs the transfer was built from.
+func (x *xfer) Ops() (ops, descs int) { return len(x.ops), x.descs }
+
+func (x *xfer) Post() (nixl.Status, error) {
+	const fn = "Post"
+	a := x.a
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if x.released {
+		return nixl.ErrInvalidParam, nixl.Errorf(nixl.ErrInvalidParam, fn, "transfer already released")
+	}
+	if err := a.checkOpen(fn); err != nil {
+		return nixl.ErrInvalidParam, err
+	}
+	if x.posted && x.final == nixl.InProgress {
+		// Re-check before refusing, as NIXL does.
+		if st, _ := x.checkLocked(fn); st == nixl.InProgress {
+			return nixl.ErrRepostActive, nixl.Errorf(nixl.ErrRepostActive, fn, "previous post still in progress")
+		}
+	}
+	p := x.peer
+	if a.peers[p.name] != p || p.gen != x.gen {
+		return nixl.ErrNotFound, nixl.Errorf(nixl.ErrNotFound, fn, "metadata of agent %q was invalidated or reloaded after MakeXfer", p.name)
+	}
+	x.posted = true
+	x.final = nixl.InProgress
+	x.finalErr = nil
+	x.start = time.Now()
+	rc := C.gx_post(a.c, p.ep, C.int(x.op),
+		(*C.gx_iov)(unsafe.Pointer(&x.ops[0])), C.size_t(len(x.ops)),
+		&p.rkeys[0], C.size_t(len(p.rkeys)),
+		memhPtr(a.memhs), C.size_t(len(a.memhs)), x.c)
+	x.postDur = time.Since(x.start)
+	return x.settle(rc, fn)
+}
+
+func memhPtr(m []C.ucp_mem_h) *C.ucp_mem_h {
+	if len(m) == 0 {
+		return nil
+	}
+	return &m[0]
+}
+
+// settle records a C return code as the transfer's state.
+func (x *xfer) settle(rc C.int, fn string) (nixl.Status, error) {
+	st := statusOf(rc)
+	switch {
+	case st == nixl.InProgress:
+		return st, nil
+	case st == nixl.Success:
+		x.xferDur = time.Since(x.start)
+		x.final = nixl.Success
+		return st, nil
+	}
+	what := "transfer to " + x.peer.name
+	var ust C.int
+	if x.peer.ep != nil && C.gx_ep_failed(x.peer.ep, &ust) != 0 {
+		st = nixl.ErrRemoteDiscon
+		what += " (endpoint failed: " + C.GoString(C.gx_status_string(ust)) + ")"
+	}
+	err := rcError(rc, fn, what)
+	err.(*nixl.Error).Status = st
+	x.final, x.finalErr = st, err
+	return st, err
+}
+
+func (x *xfer) Check() (nixl.Status, error) {
+	x.a.mu.Lock()
+	defer x.a.mu.Unlock()
+	return x.checkLocked("Check")
+}
+
+func (x *xfer) checkLocked(fn string) (nixl.Status, error) {
+	if x.released {
+		return nixl.ErrInvalidParam, nixl.Errorf(nixl.ErrInvalidParam, fn, "transfer already released")
+	}
+	if !x.posted {
+		return nixl.ErrNotPosted, nixl.Errorf(nixl.ErrNotPosted, fn, "transfer was never posted")
+	}
+	if x.final != nixl.InProgress {
+		return x.final, x.finalErr
+	}
+	if err := x.a.checkOpen(fn); err != nil {
+		return nixl.ErrInvalidParam, err
+	}
+	rc := C.gx_check(x.a.c, x.peer.ep, x.c, 1)
+	return x.settle(rc, fn)
+}
+
+func (x *xfer) Telemetry() (nixl.Telemetry, nixl.Status) {
+	x.a.mu.Lock()
+	defer x.a.mu.Unlock()
+	if !x.a.telemetry {
+		return nixl.Telemetry{}, nixl.ErrNoTelemetry
+	}
+	if !x.posted {
+		return nixl.Telemetry{}, nixl.ErrNotPosted
+	}
+	if x.final != nixl.Success {
+		return nixl.Telemetry{}, x.final
+	}
+	return nixl.Telemetry{
+		Start:     x.start,
+		PostDur:   x.postDur,
+		XferDur:   x.xferDur,
+		Bytes:     x.bytes,
+		DescCount: len(x.ops),
+	}, nixl.Success
+}
+
+func (x *xfer) Release() error {
+	a := x.a
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if x.released {
+		return nixl.Errorf(nixl.ErrInvalidParam, "ReleaseXfer", "transfer released twice")
+	}
+	x.released = true
+	if x.c != nil { // nil once the agent closed
+		C.gx_xfer_free(a.c, x.c)
+		x.c = nil
+		delete(a.xfers, x)
+	}
+	x.ops = nil
+	return nil
+}
