@@ -1,0 +1,40 @@
+// Package libnixl is the "nixl" engine: real NIXL, through the C API that
+// NIXL's Rust bindings use (libnixl_capi.so), loaded with dlopen at run time
+// from the installed nixl wheel. It registers itself as engine "nixl".
+//
+// Loading. Nothing is linked against NIXL, so a binary (or libgonixl.so)
+// that contains this package loads on hosts without NIXL; Engine.Available
+// then reports "NIXL not available: <dlerror text>". The library is looked
+// for, in order, in $NIXL_LIB_DIR, in the nixl wheel's lib directory
+// (.nixl_cu12.mesonpy.libs, then .nixl_cu13.mesonpy.libs) under the
+// site-packages of $VIRTUAL_ENV and of any .venv found walking up from the
+// working directory and from the executable, and finally by plain soname
+// (the system search path). Before the first dlopen it sets, unless already
+// set, NIXL_PLUGIN_DIR to the wheel's plugins directory and
+// UCX_RCACHE_MAX_UNRELEASED=1024 (as vLLM does, against a UCX registration
+// cache leak). Every other UCX_* variable reaches UCX unchanged.
+//
+// Declarations. gxnixl.h/gxnixl.c hold gonixl's own declarations of the C
+// API functions it calls, resolved with dlsym. Each Go operation crosses
+// cgo once: descriptor tables ({addr, len, devId} triples, the layout of
+// nixl.Desc) and index arrays are passed whole, and the C side loops.
+//
+// Status codes. The C API folds most of NIXL's errors into one BACKEND
+// code. So that ERR_REMOTE_DISCONNECT, ERR_REPOST_ACTIVE and the others stay
+// distinct where they matter (posting, polling and releasing a transfer),
+// gxnixl.c also resolves nixlAgent::postXferReq, ::getXferStatus and
+// ::releaseXferReq from libnixl.so and calls them with the C++ object the C
+// API's handles wrap; their nixl_status_t comes back unchanged. If those
+// symbols are absent the C API's codes are used (Engine.Info says which).
+// Other operations report INVALID_PARAM, NOT_FOUND, NO_TELEMETRY or BACKEND
+// as the C API does. Index and length errors are caught in Go before
+// anything crosses into NIXL.
+//
+// Imports: nixl and the standard library; cgo and unsafe (allowed for
+// engine subpackages).
+//
+// Concurrency: an agent serialises every call into NIXL with its own mutex
+// (NIXL agents are created with NIXL_THREAD_SYNC_NONE, as NIXL's Python API
+// does); agents are independent. With AgentConfig.ProgressThread NIXL's own
+// progress thread moves data and notifications between calls.
+package libnixl

@@ -1,0 +1,156 @@
+package libnixl
+
+import (
+	"errors"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/nixl/internal/conformance"
+)
+
+func TestMain(m *testing.M) {
+	conformance.MaybePeer()
+	os.Exit(m.Run())
+}
+
+func requireNIXL(t *testing.T) {
+	t.Helper()
+	if err := (Engine{}).Available(); err != nil {
+		t.Skipf("NIXL not loadable here: %v", err)
+	}
+}
+
+func TestRegistered(t *testing.T) {
+	e, err := nixl.Lookup("nixl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e.Name() != "nixl" || !e.Supports(nixl.DRAM) {
+		t.Fatalf("engine %q DRAM %v", e.Name(), e.Supports(nixl.DRAM))
+	}
+}
+
+func TestInfo(t *testing.T) {
+	requireNIXL(t)
+	info := Engine{}.Info()
+	t.Log(info)
+	if !strings.Contains(info, capiName) {
+		t.Errorf("Info %q does not name the library", info)
+	}
+	if os.Getenv("UCX_RCACHE_MAX_UNRELEASED") == "" {
+		t.Error("UCX_RCACHE_MAX_UNRELEASED not set after load")
+	}
+	if pluginDir == "" {
+		t.Error("NIXL_PLUGIN_DIR not found")
+	}
+}
+
+// TestConformance runs the shared two-process harness against real NIXL
+// (UCX backend, DRAM).
+func TestConformance(t *testing.T) {
+	requireNIXL(t)
+	conformance.RunConfig(t, conformance.Config{Engine: "nixl"})
+	// The peer-death case's agent saw ERR_REMOTE_DISCONNECT; destroying
+	// it would abort the process inside UCX, so Close must have left it.
+	found := false
+	for _, n := range LeakedAgents() {
+		found = found || strings.Contains(n, "death")
+	}
+	if !t.Skipped() && !found {
+		t.Errorf("agent of the peer-death case was destroyed (leaked: %v)", LeakedAgents())
+	}
+}
+
+// The same with NIXL's progress thread, as vLLM runs it.
+func TestConformanceProgressThread(t *testing.T) {
+	requireNIXL(t)
+	conformance.RunInProcess(t, conformance.Config{Engine: "nixl", Agent: nixl.AgentConfig{ProgressThread: true}})
+}
+
+func TestBackendsMissingPlugin(t *testing.T) {
+	requireNIXL(t)
+	if _, err := (Engine{}).NewAgent(nixl.AgentConfig{Name: "no-backends", Backends: []string{"NO_SUCH_PLUGIN"}}); nixl.StatusOf(err) != nixl.ErrNotFound {
+		t.Fatalf("agent with only a missing plugin: %v", err)
+	}
+	ag, err := Engine{}.NewAgent(nixl.AgentConfig{Name: "some-backends", Backends: []string{"NO_SUCH_PLUGIN", "UCX"}, NumThreads: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ag.Close()
+	created, skipped := ag.(*agent).Backends()
+	if len(created) != 1 || created[0] != "UCX" || len(skipped) != 1 {
+		t.Fatalf("created %v skipped %v", created, skipped)
+	}
+	if _, err := (Engine{}).NewAgent(nixl.AgentConfig{Name: ""}); nixl.StatusOf(err) != nixl.ErrInvalidParam {
+		t.Fatalf("empty name: %v", err)
+	}
+}
+
+func TestBadBackendParams(t *testing.T) {
+	requireNIXL(t)
+	_, err := Engine{}.NewAgent(nixl.AgentConfig{Name: "bad-params", BackendParams: map[string]map[string]string{"UCX": {"num_workers": "not-a-number"}}})
+	if err == nil {
+		t.Skip("NIXL's UCX plugin accepted num_workers=not-a-number")
+	}
+	t.Logf("rejected as expected: %v", err)
+}
+
+func TestClosedAgent(t *testing.T) {
+	requireNIXL(t)
+	ag, err := Engine{}.NewAgent(nixl.AgentConfig{Name: "closed"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ag.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := ag.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	if _, err := ag.LocalMetadata(); err == nil {
+		t.Fatal("LocalMetadata on a closed agent succeeded")
+	}
+	if _, err := ag.GetNotifs(); err == nil {
+		t.Fatal("GetNotifs on a closed agent succeeded")
+	}
+}
+
+// When the library cannot be loaded, Available says why and nothing
+// crashes. Load state is per process, so a child process checks it.
+func TestUnavailable(t *testing.T) {
+	if os.Getenv("GONIXL_TEST_UNAVAILABLE_CHILD") == "1" {
+		err := Engine{}.Available()
+		if err == nil {
+			t.Fatal("Available succeeded with NIXL_LIB_DIR pointing nowhere")
+		}
+		if !errors.Is(err, nixl.ErrUnavailable) || !strings.Contains(err.Error(), "NIXL not available: ") || !strings.Contains(err.Error(), "No such file") {
+			t.Fatalf("Available: %v", err)
+		}
+		if _, err := (Engine{}).NewAgent(nixl.AgentConfig{Name: "x"}); !errors.Is(err, nixl.ErrUnavailable) {
+			t.Fatalf("NewAgent: %v", err)
+		}
+		if _, _, err := nixl.Select("auto", nixl.DRAM); err == nil || !strings.Contains(err.Error(), "NIXL not available") {
+			t.Logf("Select(auto): %v", err) // another engine may be linked in
+		}
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestUnavailable$", "-test.v")
+	cmd.Env = append(os.Environ(), "GONIXL_TEST_UNAVAILABLE_CHILD=1", "NIXL_LIB_DIR=/nonexistent-nixl")
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "--- PASS: TestUnavailable") {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+}
+
+func TestParseNotifsCorrupt(t *testing.T) {
+	if _, err := parseNotifs([]byte{9, 0, 0, 0, 'a'}, 1); err == nil {
+		t.Fatal("corrupt buffer accepted")
+	}
+	ns, err := parseNotifs([]byte{1, 0, 0, 0, 'a', 2, 0, 0, 0, 'h', 'i'}, 1)
+	if err != nil || len(ns) != 1 || ns[0].Agent != "a" || string(ns[0].Msg) != "hi" {
+		t.Fatalf("%v %v", ns, err)
+	}
+}
