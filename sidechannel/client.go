@@ -187,8 +187,12 @@ func flightKey(host string, port int, engineID string, ranks []Rank) string {
 
 func (c *Client) run(ctx context.Context, host string, port int, engineID string, ranks []Rank) (*Result, error) {
 	addr := net.JoinHostPort(host, strconv.Itoa(port))
+	var notReady error // last "not-ready" reply, reported if the deadline passes
 	fail := func(r Rank, err error) (*Result, error) {
 		if errors.Is(err, context.DeadlineExceeded) {
+			if notReady != nil {
+				err = fmt.Errorf("%v (last reply: %v)", err, notReady)
+			}
 			err = fmt.Errorf("%w: %v", ErrTimeout, err)
 		} else if errors.Is(err, context.Canceled) && c.ctx.Err() != nil {
 			err = ErrClosed
@@ -216,15 +220,16 @@ func (c *Client) run(ctx context.Context, host string, port int, engineID string
 			}
 			var retry bool
 			meta, retry, err = c.query(ctx, conn, rank, res)
-			if err != nil {
-				return fail(rank, err)
-			}
 			if !retry {
+				if err != nil {
+					return fail(rank, err)
+				}
 				break
 			}
-			select { // listener has no payload for this rank yet
+			notReady = err
+			select { // the listener has no payload for this rank yet
 			case <-ctx.Done():
-				return fail(rank, fmt.Errorf("%w (last reply: not-ready)", ctx.Err()))
+				return fail(rank, ctx.Err())
 			case <-time.After(100 * time.Millisecond):
 			}
 		}
@@ -232,6 +237,7 @@ func (c *Client) run(ctx context.Context, host string, port int, engineID string
 			return fail(rank, fmt.Errorf("%w: expected %q, received %q", ErrEngineMismatch, engineID, meta.EngineID))
 		}
 		res.Agents[rank] = meta
+		notReady = nil
 	}
 	return res, nil
 }

@@ -106,7 +106,7 @@ type PackedMemberLayout struct {
 // AgentMetadata is vLLM's NixlAgentMetadata (connector version 14), one per
 // worker rank. Fields whose Python type is "X | None" are nil for None (a
 // non-nil empty slice encodes as []); RegionMembers and PackedMemberLayouts
-// encode nil as an empty array/map. AgentMetadata (NIXL's own blob) is opaque
+// encode nil as an empty array/map and decode empty as nil. AgentMetadata (NIXL's own blob) is opaque
 // here.
 type AgentMetadata struct {
 	EngineID                        string
@@ -277,9 +277,13 @@ func DecodeAgentMetadata(b []byte) (*AgentMetadata, error) {
 		case "ple_block_len":
 			m.PLEBlockLen, err = optInt(r)
 		case "region_members":
-			m.RegionMembers, err = regionMembers(r)
+			if m.RegionMembers, err = regionMembers(r); len(m.RegionMembers) == 0 {
+				m.RegionMembers = nil // [] and nil mean the same here
+			}
 		case "packed_member_layouts":
-			m.PackedMemberLayouts, err = packedLayouts(r)
+			if m.PackedMemberLayouts, err = packedLayouts(r); len(m.PackedMemberLayouts) == 0 {
+				m.PackedMemberLayouts = nil
+			}
 		default:
 			return false, nil
 		}
