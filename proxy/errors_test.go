@@ -1,0 +1,230 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// deadInstance is a loopback port nobody listens on.
+func deadInstance(t *testing.T) Instance {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("listen: %v", err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	return Instance{Host: "127.0.0.1", Port: port}
+}
+
+func TestUpstreamFailures(t *testing.T) {
+	hang := func(w http.ResponseWriter, r *http.Request, _ received) { <-r.Context().Done() }
+	status := func(code int, body string) func(http.ResponseWriter, *http.Request, received) {
+		return func(w http.ResponseWriter, _ *http.Request, _ received) {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(code)
+			fmt.Fprint(w, body)
+		}
+	}
+	tests := []struct {
+		description string
+		mode        Mode
+		prefill     func(http.ResponseWriter, *http.Request, received) // nil: dead instance
+		decode      func(http.ResponseWriter, *http.Request, received) // nil: dead instance
+		wantStatus  int
+		wantInMsg   string
+		wantBody    string // exact body, for relayed 4xx
+		wantDecode  bool   // whether the decode instance is contacted
+		wantErr     map[string]string
+	}{
+		{"dead prefill", ModeToy, nil, decodeHandler("d", false), 502, "prefill instance", "", false,
+			map[string]string{"role": "prefill", "reason": "transport"}},
+		{"dead decode", ModeToy, prefillHandler("p"), nil, 502, "decode instance", "", false,
+			map[string]string{"role": "decode", "reason": "transport"}},
+		{"prefill 500", ModeToy, status(500, `{"boom":1}`), decodeHandler("d", false), 502, "returned HTTP 500", "", false,
+			map[string]string{"role": "prefill", "reason": "status"}},
+		{"prefill 400 relayed", ModeToy, status(400, `{"error":{"message":"bad model"}}`), decodeHandler("d", false), 400, "",
+			`{"error":{"message":"bad model"}}`, false, map[string]string{"role": "prefill", "reason": "status"}},
+		{"prefill not json", ModeToy, status(200, `<html>`), decodeHandler("d", false), 502, "not a JSON object", "", false,
+			map[string]string{"role": "prefill", "reason": "bad_response"}},
+		{"prefill hangs", ModeToy, hang, decodeHandler("d", false), 504, "did not answer", "", false,
+			map[string]string{"role": "prefill", "reason": "timeout"}},
+		{"decode 503", ModeToy, prefillHandler("p"), status(503, `overloaded`), 502, "HTTP 503: overloaded", "", true,
+			map[string]string{"role": "decode", "reason": "status"}},
+		{"decode hangs", ModeToy, prefillHandler("p"), hang, 504, "did not answer", "", true,
+			map[string]string{"role": "decode", "reason": "timeout"}},
+		{"multiturn dead prefill", ModeMultiturn, nil, decodeHandler("d", true), 502, "prefill instance", "", false,
+			map[string]string{"role": "prefill", "reason": "transport"}},
+		{"multiturn decode 500", ModeMultiturn, prefillHandler("p"), status(500, `x`), 502, "HTTP 500", "", true,
+			map[string]string{"role": "decode", "reason": "status"}},
+		{"multiturn decode hangs", ModeMultiturn, prefillHandler("p"), hang, 504, "did not answer", "", true,
+			map[string]string{"role": "decode", "reason": "timeout"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.description, func(t *testing.T) {
+			var pf, df *fakeOpenAI
+			var pi, di Instance
+			if tc.prefill != nil {
+				pf = newFake(t, "p0", tc.prefill)
+				pi = pf.instance()
+			} else {
+				pi = deadInstance(t)
+			}
+			if tc.decode != nil {
+				df = newFake(t, "d0", tc.decode)
+				di = df.instance()
+			} else {
+				di = deadInstance(t)
+			}
+			r := newRig(t, nil, nil, func(c *Config) {
+				c.Mode = tc.mode
+				c.Prefill, c.Decode = []Instance{pi}, []Instance{di}
+				c.UpstreamTimeout = 300 * time.Millisecond
+			})
+			status, hdr, body := r.post("/v1/completions", map[string]any{"prompt": "x", "conversation_id": "c"}, nil)
+			if status != tc.wantStatus {
+				t.Fatalf("status %d (%s), want %d", status, body, tc.wantStatus)
+			}
+			if tc.wantBody != "" {
+				if string(body) != tc.wantBody {
+					t.Errorf("relayed body %q, want %q", body, tc.wantBody)
+				}
+			} else {
+				e := errorOf(t, body)
+				if msg, _ := e["message"].(string); !strings.Contains(msg, tc.wantInMsg) {
+					t.Errorf("error message %q lacks %q", msg, tc.wantInMsg)
+				}
+				if ct := hdr.Get("Content-Type"); ct != "application/json" {
+					t.Errorf("error Content-Type %q", ct)
+				}
+			}
+			if df != nil && (len(df.requests()) > 0) != tc.wantDecode {
+				t.Errorf("decode contacted: %v, want %v", len(df.requests()) > 0, tc.wantDecode)
+			}
+			if got := r.metric(MetricErrors, tc.wantErr); got != 1 {
+				t.Errorf("%s%v = %v, want 1", MetricErrors, tc.wantErr, got)
+			}
+			code := fmt.Sprint(tc.wantStatus)
+			if got := r.metric(MetricRequests, map[string]string{"code": code}); got != 1 {
+				t.Errorf("%s{code=%s} = %v, want 1", MetricRequests, code, got)
+			}
+		})
+	}
+}
+
+// waitClosed waits for ch, failing the test if it never closes.
+func waitClosed(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(waitLimit):
+		t.Fatalf("%s never happened", what)
+	}
+}
+
+func TestClientDisconnectCancelsPrefill(t *testing.T) {
+	for _, mode := range []Mode{ModeToy, ModeMultiturn} {
+		t.Run(mode.String(), func(t *testing.T) {
+			arrived, canceled := make(chan struct{}), make(chan struct{})
+			pf := newFake(t, "p0", func(w http.ResponseWriter, r *http.Request, _ received) {
+				close(arrived)
+				select {
+				case <-r.Context().Done():
+					close(canceled)
+				case <-time.After(waitLimit):
+				}
+			})
+			df := newFake(t, "d0", decodeHandler("d0", false))
+			r := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Mode = mode })
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() {
+				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.srv.URL+"/v1/completions",
+					strings.NewReader(`{"prompt":"x"}`))
+				resp, err := r.srv.Client().Do(req)
+				if err == nil {
+					resp.Body.Close()
+				}
+				done <- err
+			}()
+			waitClosed(t, arrived, "prefill request")
+			cancel()
+			waitClosed(t, canceled, "prefill cancellation after the client left")
+			if err := <-done; err == nil {
+				t.Error("client request succeeded after cancel")
+			}
+			if n := len(df.requests()); n != 0 {
+				t.Errorf("decode contacted %d times after the client left", n)
+			}
+		})
+	}
+}
+
+func TestClientDisconnectCancelsDecodeStream(t *testing.T) {
+	for _, mode := range []Mode{ModeToy, ModeMultiturn} {
+		t.Run(mode.String(), func(t *testing.T) {
+			canceled := make(chan struct{})
+			pf := newFake(t, "p0", prefillHandler("p0"))
+			df := newFake(t, "d0", func(w http.ResponseWriter, r *http.Request, _ received) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"a\"}]}\n\n")
+				w.(http.Flusher).Flush()
+				select {
+				case <-r.Context().Done():
+					close(canceled)
+				case <-time.After(waitLimit):
+				}
+			})
+			r := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Mode = mode })
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.srv.URL+"/v1/completions",
+				strings.NewReader(`{"prompt":"x","stream":true,"conversation_id":"c"}`))
+			resp, err := r.srv.Client().Do(req)
+			if err != nil {
+				t.Fatalf("POST: %v", err)
+			}
+			buf := make([]byte, 8)
+			if _, err := io.ReadFull(resp.Body, buf); err != nil {
+				t.Fatalf("no stream data: %v", err)
+			}
+			cancel()
+			resp.Body.Close()
+			waitClosed(t, canceled, "decode cancellation after the client left")
+		})
+	}
+}
+
+func TestDecodeDiesMidStream(t *testing.T) {
+	for _, mode := range []Mode{ModeToy, ModeMultiturn} {
+		t.Run(mode.String(), func(t *testing.T) {
+			pf := newFake(t, "p0", prefillHandler("p0"))
+			df := newFake(t, "d0", func(w http.ResponseWriter, r *http.Request, _ received) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"a\"}]}\n\n")
+				w.(http.Flusher).Flush()
+				panic(http.ErrAbortHandler) // drop the connection mid-stream
+			})
+			r := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Mode = mode })
+			resp, err := r.srv.Client().Post(r.srv.URL+"/v1/completions", "application/json",
+				strings.NewReader(`{"prompt":"x","stream":true}`))
+			if err != nil {
+				t.Fatalf("POST: %v", err)
+			}
+			defer resp.Body.Close()
+			b, err := io.ReadAll(resp.Body)
+			if err == nil {
+				t.Errorf("truncated upstream stream ended cleanly for the client (%q); want a read error", b)
+			}
+			if got := r.metric(MetricErrors, map[string]string{"role": "decode"}); got != 1 {
+				t.Errorf("decode errors = %v, want 1", got)
+			}
+		})
+	}
+}
