@@ -19,9 +19,9 @@ import (
 type nargs int
 
 const (
-	flagOnly nargs = iota // no value (store_true)
-	one                   // exactly one value
-	oneOrMore             // nargs="+"
+	flagOnly  nargs = iota // no value (store_true)
+	one                    // exactly one value
+	oneOrMore              // nargs="+"
 )
 
 type optSpec struct {
