@@ -7,8 +7,13 @@ package main
 import "C"
 
 import (
+	"encoding/json"
+	"errors"
 	"os"
+	"unsafe"
 
+	"github.com/gonixl/gonixl/nixl"
+	_ "github.com/gonixl/gonixl/nixl/ucx" // registers the "ucx" engine
 	"github.com/gonixl/gonixl/shim"
 )
 
@@ -45,6 +50,64 @@ func parseConfig(p *C.char, n C.size_t) (*shim.Config, error) {
 	return cfg, nil
 }
 
+func scheduler(h C.gonixl_scheduler_t) (*shim.Scheduler, error) {
+	obj, err := handles.get(uint64(h), kindScheduler)
+	if err != nil {
+		return nil, err
+	}
+	return obj.(*shim.Scheduler), nil
+}
+
+func worker(h C.gonixl_worker_t) (*shim.Worker, error) {
+	obj, err := handles.get(uint64(h), kindWorker)
+	if err != nil {
+		return nil, err
+	}
+	return obj.(*shim.Worker), nil
+}
+
+func params(p *C.char, n C.size_t) (*shim.TransferParams, error) {
+	b, err := readIn(p, n, "params_json")
+	if err != nil {
+		return nil, err
+	}
+	tp, err := shim.ParseTransferParams(b)
+	if err != nil {
+		return nil, errorf(statusInvalidArg, "%v", err)
+	}
+	return tp, nil
+}
+
+// blockIDs rebuilds per-group block ids from a flat array and group lengths.
+func blockIDs(flat *C.int64_t, n C.int64_t, lens *C.int64_t, groups C.int64_t) (shim.BlockIDs, error) {
+	ids, err := readInt64s(flat, n, "block_ids")
+	if err != nil {
+		return nil, err
+	}
+	gl, err := readInt64s(lens, groups, "group_lens")
+	if err != nil {
+		return nil, err
+	}
+	out := make(shim.BlockIDs, len(gl))
+	off := int64(0)
+	for g, l := range gl {
+		if l < 0 || off+l > int64(len(ids)) {
+			return nil, errorf(statusInvalidArg, "group_lens %v do not add up to %d block ids", gl, len(ids))
+		}
+		out[g] = ids[off : off+l]
+		off += l
+	}
+	if off != int64(len(ids)) {
+		return nil, errorf(statusInvalidArg, "group_lens %v do not add up to %d block ids", gl, len(ids))
+	}
+	for _, b := range ids {
+		if b < 0 {
+			return nil, errorf(statusInvalidArg, "negative block id %d", b)
+		}
+	}
+	return out, nil
+}
+
 //export gonixl_scheduler_new
 func gonixl_scheduler_new(cfgJSON *C.char, cfgLen C.size_t, out *C.gonixl_scheduler_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return guard(cerr, func() error {
@@ -56,11 +119,202 @@ func gonixl_scheduler_new(cfgJSON *C.char, cfgLen C.size_t, out *C.gonixl_schedu
 		if err != nil {
 			return err
 		}
-		s, err := shim.NewScheduler(cfg)
+		s, err := shim.NewScheduler(cfg, nil)
 		if err != nil {
 			return errorf(statusInvalidArg, "%v", err)
 		}
 		*out = C.gonixl_scheduler_t(handles.add(kindScheduler, s))
+		return nil
+	})
+}
+
+//export gonixl_scheduler_on_new_request
+func gonixl_scheduler_on_new_request(h C.gonixl_scheduler_t, reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		s, err := scheduler(h)
+		if err != nil {
+			return err
+		}
+		id, err := readString(reqID, reqIDLen, "req_id")
+		if err != nil {
+			return err
+		}
+		p, err := params(pj, pl)
+		if err != nil {
+			return err
+		}
+		s.OnNewRequest(id, p)
+		return nil
+	})
+}
+
+//export gonixl_scheduler_get_num_new_matched_tokens
+func gonixl_scheduler_get_num_new_matched_tokens(h C.gonixl_scheduler_t, pj *C.char, pl C.size_t, numPrompt, numComputed C.int64_t, outCount *C.int64_t, outAsync *C.int32_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		if outCount == nil || outAsync == nil {
+			return errorf(statusNullPointer, "out_count or out_async is NULL")
+		}
+		*outCount, *outAsync = 0, 0
+		s, err := scheduler(h)
+		if err != nil {
+			return err
+		}
+		if numPrompt < 0 || numComputed < 0 {
+			return errorf(statusInvalidArg, "negative token counts (%d, %d)", numPrompt, numComputed)
+		}
+		p, err := params(pj, pl)
+		if err != nil {
+			return err
+		}
+		n, async := s.GetNumNewMatchedTokens(p, int64(numPrompt), int64(numComputed))
+		*outCount = C.int64_t(n)
+		if async {
+			*outAsync = 1
+		}
+		return nil
+	})
+}
+
+//export gonixl_scheduler_update_state_after_alloc
+func gonixl_scheduler_update_state_after_alloc(h C.gonixl_scheduler_t, reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t,
+	ids *C.int64_t, nids C.int64_t, lens *C.int64_t, ngroups C.int64_t, computed *C.int64_t, ncomputed C.int64_t,
+	numExternal C.int64_t, outMutated *C.int32_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		if outMutated == nil {
+			return errorf(statusNullPointer, "out_mutated is NULL")
+		}
+		*outMutated = 0
+		s, err := scheduler(h)
+		if err != nil {
+			return err
+		}
+		id, err := readString(reqID, reqIDLen, "req_id")
+		if err != nil {
+			return err
+		}
+		p, err := params(pj, pl)
+		if err != nil {
+			return err
+		}
+		blocks, err := blockIDs(ids, nids, lens, ngroups)
+		if err != nil {
+			return err
+		}
+		comp, err := readInt64s(computed, ncomputed, "num_computed")
+		if err != nil {
+			return err
+		}
+		mutated, err := s.UpdateStateAfterAlloc(id, p, blocks, comp, int64(numExternal))
+		if err != nil {
+			return errorf(statusInvalidArg, "%v", err)
+		}
+		if mutated {
+			*outMutated = 1
+		}
+		return nil
+	})
+}
+
+//export gonixl_scheduler_build_meta
+func gonixl_scheduler_build_meta(h C.gonixl_scheduler_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		s, err := scheduler(h)
+		if err != nil {
+			return err
+		}
+		return consume(pendingKey{uint64(h), "build_meta", ""}, buf, lenp, s.BuildMeta)
+	})
+}
+
+//export gonixl_scheduler_request_finished
+func gonixl_scheduler_request_finished(h C.gonixl_scheduler_t, reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t,
+	finishedNormally C.int32_t, numComputed C.int64_t, ids *C.int64_t, nids C.int64_t, lens *C.int64_t, ngroups C.int64_t,
+	outDelay *C.int32_t, outParams *C.char, outLen *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		if outDelay == nil {
+			return errorf(statusNullPointer, "out_delay is NULL")
+		}
+		s, err := scheduler(h)
+		if err != nil {
+			return err
+		}
+		id, err := readString(reqID, reqIDLen, "req_id")
+		if err != nil {
+			return err
+		}
+		p, err := params(pj, pl)
+		if err != nil {
+			return err
+		}
+		blocks, err := blockIDs(ids, nids, lens, ngroups)
+		if err != nil {
+			return err
+		}
+		// The delay flag travels in front of the params so that a retry
+		// after BUFFER_TOO_SMALL returns both unchanged.
+		err = consume(pendingKey{uint64(h), "request_finished", id}, outParams, outLen, func() ([]byte, error) {
+			delay, out, err := s.RequestFinished(id, p, finishedNormally != 0, int64(numComputed), blocks)
+			if err != nil {
+				return nil, err
+			}
+			flag := byte('0')
+			if delay {
+				flag = '1'
+			}
+			return append([]byte{flag}, out...), nil
+		})
+		if err != nil {
+			return err
+		}
+		// Strip the flag in place: the caller sees only the params.
+		n := int(*outLen)
+		b := unsafe.Slice((*byte)(unsafe.Pointer(outParams)), n)
+		*outDelay = C.int32_t(b[0] - '0')
+		copy(b, b[1:])
+		*outLen = C.size_t(n - 1)
+		return nil
+	})
+}
+
+//export gonixl_scheduler_update_connector_output
+func gonixl_scheduler_update_connector_output(h C.gonixl_scheduler_t, j *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		s, err := scheduler(h)
+		if err != nil {
+			return err
+		}
+		b, err := readIn(j, n, "finished_recving_json")
+		if err != nil {
+			return err
+		}
+		var ids []string
+		if len(b) > 0 {
+			if err := json.Unmarshal(b, &ids); err != nil {
+				return errorf(statusInvalidArg, "finished_recving_json: %v", err)
+			}
+		}
+		s.UpdateConnectorOutput(ids)
+		return nil
+	})
+}
+
+//export gonixl_scheduler_set_handshake_payload
+func gonixl_scheduler_set_handshake_payload(h C.gonixl_scheduler_t, pp, tp C.int32_t, payload *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		s, err := scheduler(h)
+		if err != nil {
+			return err
+		}
+		if pp < 0 || tp < 0 {
+			return errorf(statusInvalidArg, "negative rank pp=%d tp=%d", pp, tp)
+		}
+		b, err := readIn(payload, n, "payload")
+		if err != nil {
+			return err
+		}
+		if err := s.SetHandshakePayload(int(pp), int(tp), b); err != nil {
+			return errorf(statusInvalidArg, "%v", err)
+		}
 		return nil
 	})
 }
@@ -72,6 +326,7 @@ func gonixl_scheduler_close(h C.gonixl_scheduler_t, cerr *C.gonixl_error_t) C.go
 		if err != nil {
 			return err
 		}
+		dropPending(uint64(h))
 		return obj.(*shim.Scheduler).Close()
 	})
 }
@@ -87,12 +342,122 @@ func gonixl_worker_new(cfgJSON *C.char, cfgLen C.size_t, out *C.gonixl_worker_t,
 		if err != nil {
 			return err
 		}
-		w, err := shim.NewWorker(cfg)
+		w, err := shim.NewWorker(cfg, nil)
 		if err != nil {
 			return errorf(statusInvalidArg, "%v", err)
 		}
 		*out = C.gonixl_worker_t(handles.add(kindWorker, w))
 		return nil
+	})
+}
+
+//export gonixl_worker_register_kv_caches
+func gonixl_worker_register_kv_caches(h C.gonixl_worker_t, j *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		w, err := worker(h)
+		if err != nil {
+			return err
+		}
+		b, err := readIn(j, n, "init_json")
+		if err != nil {
+			return err
+		}
+		var init shim.WorkerInit
+		if err := json.Unmarshal(b, &init); err != nil {
+			return errorf(statusInvalidArg, "init_json: %v", err)
+		}
+		if err := w.RegisterKVCaches(&init); err != nil {
+			if errors.Is(err, nixl.ErrUnavailable) {
+				return errorf(statusUnavailable, "%v", err)
+			}
+			return errorf(statusInvalidArg, "%v", err)
+		}
+		return nil
+	})
+}
+
+//export gonixl_worker_handshake_payload
+func gonixl_worker_handshake_payload(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		w, err := worker(h)
+		if err != nil {
+			return err
+		}
+		b, err := w.HandshakePayload()
+		if err != nil {
+			return errorf(statusState, "%v", err)
+		}
+		return writeOut(buf, lenp, b)
+	})
+}
+
+//export gonixl_worker_start_load_kv
+func gonixl_worker_start_load_kv(h C.gonixl_worker_t, meta *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		w, err := worker(h)
+		if err != nil {
+			return err
+		}
+		b, err := readIn(meta, n, "meta")
+		if err != nil {
+			return err
+		}
+		if err := w.StartLoadKV(b); err != nil {
+			return errorf(statusInvalidArg, "%v", err)
+		}
+		return nil
+	})
+}
+
+//export gonixl_worker_get_finished
+func gonixl_worker_get_finished(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		w, err := worker(h)
+		if err != nil {
+			return err
+		}
+		return consume(pendingKey{uint64(h), "get_finished", ""}, buf, lenp, w.GetFinished)
+	})
+}
+
+//export gonixl_worker_load_errors
+func gonixl_worker_load_errors(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		w, err := worker(h)
+		if err != nil {
+			return err
+		}
+		return consume(pendingKey{uint64(h), "load_errors", ""}, buf, lenp, func() ([]byte, error) {
+			return json.Marshal(w.LoadErrors())
+		})
+	})
+}
+
+//export gonixl_worker_stats
+func gonixl_worker_stats(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		w, err := worker(h)
+		if err != nil {
+			return err
+		}
+		return consume(pendingKey{uint64(h), "stats", ""}, buf, lenp, func() ([]byte, error) {
+			return w.Stats(), nil
+		})
+	})
+}
+
+//export gonixl_worker_metrics
+func gonixl_worker_metrics(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		w, err := worker(h)
+		if err != nil {
+			return err
+		}
+		b, err := w.MetricsText()
+		if err != nil {
+			return err
+		}
+		return writeOut(buf, lenp, b)
 	})
 }
 
@@ -103,6 +468,7 @@ func gonixl_worker_close(h C.gonixl_worker_t, cerr *C.gonixl_error_t) C.gonixl_s
 		if err != nil {
 			return err
 		}
+		dropPending(uint64(h))
 		return obj.(*shim.Worker).Close()
 	})
 }

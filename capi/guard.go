@@ -139,3 +139,30 @@ func readIn(p *C.char, n C.size_t, what string) ([]byte, error) {
 	}
 	return C.GoBytes(unsafe.Pointer(p), C.int(n)), nil
 }
+
+// readString copies a (pointer, length) UTF-8 string.
+func readString(p *C.char, n C.size_t, what string) (string, error) {
+	b, err := readIn(p, n, what)
+	if err != nil {
+		return "", err
+	}
+	return string(b), nil
+}
+
+// maxArray bounds caller-provided array lengths.
+const maxArray = 1 << 28
+
+// readInt64s copies a caller int64 array.
+func readInt64s(p *C.int64_t, n C.int64_t, what string) ([]int64, error) {
+	if n < 0 || n > maxArray {
+		return nil, errorf(statusInvalidArg, "%s length %d out of range", what, n)
+	}
+	if n == 0 {
+		return nil, nil
+	}
+	if p == nil {
+		return nil, errorf(statusNullPointer, "%s is NULL but its length is %d", what, n)
+	}
+	src := unsafe.Slice((*int64)(unsafe.Pointer(p)), int(n))
+	return append([]int64(nil), src...), nil
+}

@@ -81,18 +81,125 @@ gonixl_status_t gonixl_version(char *buf, size_t *len, gonixl_error_t *err);
  * Size-negotiated. Loads native libraries on first call. */
 gonixl_status_t gonixl_probe(char *buf, size_t *len, gonixl_error_t *err);
 
+/* ---------------------------------------------------------------------
+ * Scheduler side (vLLM's EngineCore process).
+ *
+ * Strings are (pointer, length) pairs of UTF-8 bytes. kv_transfer_params are
+ * the request's dict as JSON ("null" or length 0 for none). Block ids cross
+ * as one flat int64 array plus the number of ids of each KV-cache group.
+ * --------------------------------------------------------------------- */
+
 /* Creates the scheduler-side state from a JSON configuration (see
- * pybridge/gonixl/config.py for the keys). */
+ * pybridge/gonixl/vllm.py for the keys). */
 gonixl_status_t gonixl_scheduler_new(char *config_json, size_t config_len,
                                      gonixl_scheduler_t *out, gonixl_error_t *err);
+
+/* on_new_request: starts heartbeats for a decode request waiting on a
+ * remote prefill. */
+gonixl_status_t gonixl_scheduler_on_new_request(gonixl_scheduler_t h, char *req_id, size_t req_id_len,
+                                                char *params_json, size_t params_len,
+                                                gonixl_error_t *err);
+
+/* get_num_new_matched_tokens: *out_count tokens can be loaded remotely,
+ * *out_async is 1 when they load asynchronously. */
+gonixl_status_t gonixl_scheduler_get_num_new_matched_tokens(gonixl_scheduler_t h,
+                                                            char *params_json, size_t params_len,
+                                                            int64_t num_prompt_tokens,
+                                                            int64_t num_computed_tokens,
+                                                            int64_t *out_count, int32_t *out_async,
+                                                            gonixl_error_t *err);
+
+/* update_state_after_alloc: block_ids/group_lens are the request's unhashed
+ * local blocks; num_computed holds the locally computed blocks per group.
+ * *out_mutated is 1 when the caller must set do_remote_prefill=False and
+ * _remote_blocks_processed=True on the request's kv_transfer_params. */
+gonixl_status_t gonixl_scheduler_update_state_after_alloc(gonixl_scheduler_t h,
+                                                          char *req_id, size_t req_id_len,
+                                                          char *params_json, size_t params_len,
+                                                          int64_t *block_ids, int64_t num_block_ids,
+                                                          int64_t *group_lens, int64_t num_groups,
+                                                          int64_t *num_computed, int64_t num_computed_len,
+                                                          int64_t num_external_tokens,
+                                                          int32_t *out_mutated, gonixl_error_t *err);
+
+/* build_connector_meta: this step's metadata for the workers (opaque bytes).
+ * Size-negotiated; a result that did not fit is kept for the retry. */
+gonixl_status_t gonixl_scheduler_build_meta(gonixl_scheduler_t h, char *buf, size_t *len,
+                                            gonixl_error_t *err);
+
+/* request_finished: *out_delay is 1 when the blocks must be held for a remote
+ * reader; the kv_transfer_params for the request's output are written as JSON
+ * to (out_params, out_len) (length 0 for none). finished_normally is 1 for
+ * FINISHED_LENGTH_CAPPED and FINISHED_STOPPED. Size-negotiated; a result that
+ * did not fit is kept for the retry with the same req_id. */
+gonixl_status_t gonixl_scheduler_request_finished(gonixl_scheduler_t h,
+                                                  char *req_id, size_t req_id_len,
+                                                  char *params_json, size_t params_len,
+                                                  int32_t finished_normally,
+                                                  int64_t num_computed_tokens,
+                                                  int64_t *block_ids, int64_t num_block_ids,
+                                                  int64_t *group_lens, int64_t num_groups,
+                                                  int32_t *out_delay, char *out_params,
+                                                  size_t *out_len, gonixl_error_t *err);
+
+/* update_connector_output: finished_recving is a JSON array of request ids. */
+gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,
+                                                         char *finished_recving_json,
+                                                         size_t json_len, gonixl_error_t *err);
+
+/* set_xfer_handshake_metadata: serves one worker's encoded handshake payload
+ * for (pp_rank, tp_rank); starts the side-channel listener on first use. */
+gonixl_status_t gonixl_scheduler_set_handshake_payload(gonixl_scheduler_t h, int32_t pp_rank,
+                                                       int32_t tp_rank, char *payload,
+                                                       size_t payload_len, gonixl_error_t *err);
 
 /* Stops the scheduler (listener, timers) and frees the handle. A second close
  * of the same handle returns GONIXL_ERR_INVALID_HANDLE. */
 gonixl_status_t gonixl_scheduler_close(gonixl_scheduler_t h, gonixl_error_t *err);
 
+/* ---------------------------------------------------------------------
+ * Worker side (one per TP/PP rank).
+ * --------------------------------------------------------------------- */
+
 /* Creates the worker-side state from a JSON configuration. */
 gonixl_status_t gonixl_worker_new(char *config_json, size_t config_len,
                                   gonixl_worker_t *out, gonixl_error_t *err);
+
+/* register_kv_caches: the tensors' geometry as JSON (layers with data_ptr,
+ * storage_ptr, storage_bytes, elem_size, shape, stride, device; num_blocks,
+ * block_size, attn_backend, kv_cache_layout). Creates the transfer agent and
+ * registers the memory. */
+gonixl_status_t gonixl_worker_register_kv_caches(gonixl_worker_t h, char *init_json,
+                                                 size_t init_len, gonixl_error_t *err);
+
+/* The encoded handshake payload this rank serves. Size-negotiated. */
+gonixl_status_t gonixl_worker_handshake_payload(gonixl_worker_t h, char *buf, size_t *len,
+                                                gonixl_error_t *err);
+
+/* start_load_kv: one step's metadata from gonixl_scheduler_build_meta. Posts
+ * READs and heartbeats; never blocks on the network. */
+gonixl_status_t gonixl_worker_start_load_kv(gonixl_worker_t h, char *meta, size_t meta_len,
+                                            gonixl_error_t *err);
+
+/* get_finished: JSON {"finished_sending": [...], "finished_recving": [...],
+ * "failed_recving": [...]}. Size-negotiated; a result that did not fit is
+ * kept for the retry. */
+gonixl_status_t gonixl_worker_get_finished(gonixl_worker_t h, char *buf, size_t *len,
+                                           gonixl_error_t *err);
+
+/* get_block_ids_with_load_errors: JSON array of local block ids, cleared by
+ * the call. Size-negotiated like get_finished. */
+gonixl_status_t gonixl_worker_load_errors(gonixl_worker_t h, char *buf, size_t *len,
+                                          gonixl_error_t *err);
+
+/* get_kv_connector_stats: JSON object of vLLM's stats lists accumulated since
+ * the last call, or length 0 when there is nothing. Size-negotiated. */
+gonixl_status_t gonixl_worker_stats(gonixl_worker_t h, char *buf, size_t *len,
+                                    gonixl_error_t *err);
+
+/* gonixl's own Prometheus registry in the text exposition format. */
+gonixl_status_t gonixl_worker_metrics(gonixl_worker_t h, char *buf, size_t *len,
+                                      gonixl_error_t *err);
 
 /* Stops the worker (in-flight transfers, agent) and frees the handle. */
 gonixl_status_t gonixl_worker_close(gonixl_worker_t h, gonixl_error_t *err);

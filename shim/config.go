@@ -54,6 +54,11 @@ type Config struct {
 	EngineTTL              float64  `json:"-"`
 	TransferEngine         string   `json:"-"` // gonixl: "auto", "nixl", "ucx"
 	SideChannelSecret      string   `json:"-"` // gonixl: optional HMAC secret
+	TransferTimeout        float64  `json:"-"` // gonixl: seconds a READ may stay in flight
+	HandshakeTimeout       float64  `json:"-"` // gonixl: seconds a whole handshake may take
+
+	// Worker-side facts the Python connector reads from vLLM's config.
+	CompatFactors map[string]any `json:"compat_factors"`
 }
 
 // ParseConfig decodes and validates a JSON configuration, applying vLLM's
@@ -153,12 +158,21 @@ func (c *Config) applyDefaults() error {
 		return err
 	}
 	switch c.TransferEngine {
-	case "auto", "nixl", "ucx", "fake":
+	case "auto", "nixl", "ucx":
 	default:
 		return fmt.Errorf("config: transfer_engine must be auto, nixl or ucx, got %q", c.TransferEngine)
 	}
 	if c.SideChannelSecret, err = x.string("side_channel_secret", ""); err != nil {
 		return err
+	}
+	if c.TransferTimeout, err = x.float("transfer_timeout", 60); err != nil {
+		return err
+	}
+	if c.HandshakeTimeout, err = x.float("handshake_timeout", 30); err != nil {
+		return err
+	}
+	if c.TransferTimeout <= 0 || c.HandshakeTimeout <= 0 {
+		return fmt.Errorf("config: transfer_timeout and handshake_timeout must be positive")
 	}
 	return nil
 }

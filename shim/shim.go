@@ -3,7 +3,6 @@ package shim
 import (
 	"encoding/json"
 	"runtime"
-	"sync"
 
 	"github.com/gonixl/gonixl/nixl"
 )
@@ -55,52 +54,4 @@ func Probe() ProbeReport {
 func ProbeJSON() []byte {
 	b, _ := json.Marshal(Probe()) // plain structs: cannot fail
 	return b
-}
-
-// Scheduler is the scheduler-side connector state of one engine.
-type Scheduler struct {
-	cfg *Config
-
-	mu     sync.Mutex
-	closed bool
-}
-
-// NewScheduler validates cfg and creates the scheduler side.
-func NewScheduler(cfg *Config) (*Scheduler, error) {
-	if cfg.Role != RoleScheduler {
-		return nil, errRole(cfg.Role, RoleScheduler)
-	}
-	return &Scheduler{cfg: cfg}, nil
-}
-
-// Close stops the scheduler. Idempotent.
-func (s *Scheduler) Close() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.closed = true
-	return nil
-}
-
-// Worker is the worker-side connector state of one rank.
-type Worker struct {
-	cfg *Config
-
-	mu     sync.Mutex
-	closed bool
-}
-
-// NewWorker validates cfg and creates the worker side.
-func NewWorker(cfg *Config) (*Worker, error) {
-	if cfg.Role != RoleWorker {
-		return nil, errRole(cfg.Role, RoleWorker)
-	}
-	return &Worker{cfg: cfg}, nil
-}
-
-// Close stops the worker. Idempotent.
-func (w *Worker) Close() error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.closed = true
-	return nil
 }

@@ -38,22 +38,88 @@ class Error(ctypes.Structure):
 
 error_p = ctypes.POINTER(Error)
 
-#: (name, restype, argtypes) in header order.
+i64 = ctypes.c_int64
+i32 = ctypes.c_int32
+i64_p = ctypes.POINTER(ctypes.c_int64)
+i32_p = ctypes.POINTER(ctypes.c_int32)
+handle_p = ctypes.POINTER(handle_t)
+buf = ctypes.c_char_p
+size = ctypes.c_size_t
+
+#: (name, restype, argtypes) in header order; the C declaration is in
+#: include/gonixl.h, where each function is documented.
 PROTOTYPES: list[tuple[str, object, list]] = [
     # uint32_t gonixl_abi_version(void);
     ("gonixl_abi_version", ctypes.c_uint32, []),
     # gonixl_status_t gonixl_version(char *buf, size_t *len, gonixl_error_t *err);
-    ("gonixl_version", status_t, [ctypes.c_char_p, size_p, error_p]),
+    ("gonixl_version", status_t, [buf, size_p, error_p]),
     # gonixl_status_t gonixl_probe(char *buf, size_t *len, gonixl_error_t *err);
-    ("gonixl_probe", status_t, [ctypes.c_char_p, size_p, error_p]),
+    ("gonixl_probe", status_t, [buf, size_p, error_p]),
     # gonixl_status_t gonixl_scheduler_new(char *config_json, size_t config_len,
-    #                                      gonixl_scheduler_t *out, gonixl_error_t *err);
-    ("gonixl_scheduler_new", status_t, [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(handle_t), error_p]),
+    #     gonixl_scheduler_t *out, gonixl_error_t *err);
+    ("gonixl_scheduler_new", status_t, [buf, size, handle_p, error_p]),
+    # gonixl_status_t gonixl_scheduler_on_new_request(gonixl_scheduler_t h, char *req_id,
+    #     size_t req_id_len, char *params_json, size_t params_len, gonixl_error_t *err);
+    ("gonixl_scheduler_on_new_request", status_t, [handle_t, buf, size, buf, size, error_p]),
+    # gonixl_status_t gonixl_scheduler_get_num_new_matched_tokens(gonixl_scheduler_t h,
+    #     char *params_json, size_t params_len, int64_t num_prompt_tokens,
+    #     int64_t num_computed_tokens, int64_t *out_count, int32_t *out_async, gonixl_error_t *err);
+    ("gonixl_scheduler_get_num_new_matched_tokens", status_t, [handle_t, buf, size, i64, i64, i64_p, i32_p, error_p]),
+    # gonixl_status_t gonixl_scheduler_update_state_after_alloc(gonixl_scheduler_t h,
+    #     char *req_id, size_t req_id_len, char *params_json, size_t params_len,
+    #     int64_t *block_ids, int64_t num_block_ids, int64_t *group_lens, int64_t num_groups,
+    #     int64_t *num_computed, int64_t num_computed_len, int64_t num_external_tokens,
+    #     int32_t *out_mutated, gonixl_error_t *err);
+    (
+        "gonixl_scheduler_update_state_after_alloc",
+        status_t,
+        [handle_t, buf, size, buf, size, i64_p, i64, i64_p, i64, i64_p, i64, i64, i32_p, error_p],
+    ),
+    # gonixl_status_t gonixl_scheduler_build_meta(gonixl_scheduler_t h, char *buf, size_t *len,
+    #     gonixl_error_t *err);
+    ("gonixl_scheduler_build_meta", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_scheduler_request_finished(gonixl_scheduler_t h,
+    #     char *req_id, size_t req_id_len, char *params_json, size_t params_len,
+    #     int32_t finished_normally, int64_t num_computed_tokens,
+    #     int64_t *block_ids, int64_t num_block_ids, int64_t *group_lens, int64_t num_groups,
+    #     int32_t *out_delay, char *out_params, size_t *out_len, gonixl_error_t *err);
+    (
+        "gonixl_scheduler_request_finished",
+        status_t,
+        [handle_t, buf, size, buf, size, i32, i64, i64_p, i64, i64_p, i64, i32_p, buf, size_p, error_p],
+    ),
+    # gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,
+    #     char *finished_recving_json, size_t json_len, gonixl_error_t *err);
+    ("gonixl_scheduler_update_connector_output", status_t, [handle_t, buf, size, error_p]),
+    # gonixl_status_t gonixl_scheduler_set_handshake_payload(gonixl_scheduler_t h, int32_t pp_rank,
+    #     int32_t tp_rank, char *payload, size_t payload_len, gonixl_error_t *err);
+    ("gonixl_scheduler_set_handshake_payload", status_t, [handle_t, i32, i32, buf, size, error_p]),
     # gonixl_status_t gonixl_scheduler_close(gonixl_scheduler_t h, gonixl_error_t *err);
     ("gonixl_scheduler_close", status_t, [handle_t, error_p]),
     # gonixl_status_t gonixl_worker_new(char *config_json, size_t config_len,
-    #                                   gonixl_worker_t *out, gonixl_error_t *err);
-    ("gonixl_worker_new", status_t, [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(handle_t), error_p]),
+    #     gonixl_worker_t *out, gonixl_error_t *err);
+    ("gonixl_worker_new", status_t, [buf, size, handle_p, error_p]),
+    # gonixl_status_t gonixl_worker_register_kv_caches(gonixl_worker_t h, char *init_json,
+    #     size_t init_len, gonixl_error_t *err);
+    ("gonixl_worker_register_kv_caches", status_t, [handle_t, buf, size, error_p]),
+    # gonixl_status_t gonixl_worker_handshake_payload(gonixl_worker_t h, char *buf, size_t *len,
+    #     gonixl_error_t *err);
+    ("gonixl_worker_handshake_payload", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_worker_start_load_kv(gonixl_worker_t h, char *meta, size_t meta_len,
+    #     gonixl_error_t *err);
+    ("gonixl_worker_start_load_kv", status_t, [handle_t, buf, size, error_p]),
+    # gonixl_status_t gonixl_worker_get_finished(gonixl_worker_t h, char *buf, size_t *len,
+    #     gonixl_error_t *err);
+    ("gonixl_worker_get_finished", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_worker_load_errors(gonixl_worker_t h, char *buf, size_t *len,
+    #     gonixl_error_t *err);
+    ("gonixl_worker_load_errors", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_worker_stats(gonixl_worker_t h, char *buf, size_t *len,
+    #     gonixl_error_t *err);
+    ("gonixl_worker_stats", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_worker_metrics(gonixl_worker_t h, char *buf, size_t *len,
+    #     gonixl_error_t *err);
+    ("gonixl_worker_metrics", status_t, [handle_t, buf, size_p, error_p]),
     # gonixl_status_t gonixl_worker_close(gonixl_worker_t h, gonixl_error_t *err);
     ("gonixl_worker_close", status_t, [handle_t, error_p]),
     # gonixl_status_t gonixl_debug_panic(gonixl_error_t *err);

@@ -1,0 +1,268 @@
+package shim
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"strconv"
+)
+
+// BlockIDs holds block ids per KV-cache group, as vLLM's BlockIds tuple.
+type BlockIDs [][]int64
+
+// Empty reports whether no group has a block.
+func (b BlockIDs) Empty() bool {
+	for _, g := range b {
+		if len(g) > 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// Count is the number of blocks in all groups.
+func (b BlockIDs) Count() int {
+	n := 0
+	for _, g := range b {
+		n += len(g)
+	}
+	return n
+}
+
+// TransferParams is a request's kv_transfer_params as the proxies and vLLM
+// send them. Presence matters as much as value (vLLM checks "key in
+// params"), so every optional field records whether it was present.
+type TransferParams struct {
+	raw map[string]json.RawMessage
+
+	DoRemotePrefill bool
+	DoRemoteDecode  bool
+
+	RemoteBlockIDs  BlockIDs
+	HasRemoteBlocks bool // remote_block_ids present and non-empty
+	RemoteEngineID  string
+	RemoteRequestID string
+	RemoteHost      string
+	RemotePort      int
+	TPSize          int
+	DCPSize         int
+	PPSize          int
+	RemoteNumTokens int64
+	RemoteBlockSize int
+	RemoteExpiry    *float64
+	BlocksProcessed bool // _remote_blocks_processed
+	hasEngine       bool
+	hasRequest      bool
+	hasHost         bool
+	hasPort         bool
+	hasTPSize       bool
+}
+
+// HasRemoteEndpoint reports whether the four keys that identify the remote
+// side are all present (vLLM's `all(p in params for p in (...))`).
+func (p *TransferParams) HasRemoteEndpoint() bool {
+	return p.hasEngine && p.hasRequest && p.hasHost && p.hasPort
+}
+
+// HasHeartbeatTarget reports whether a decode request carries what a
+// heartbeat needs (on_new_request's check).
+func (p *TransferParams) HasHeartbeatTarget() bool {
+	return p.HasRemoteEndpoint() && p.hasTPSize && p.RemoteEngineID != "" && p.RemoteHost != ""
+}
+
+// ParseTransferParams decodes kv_transfer_params JSON. A null or empty
+// input is (nil, nil): the request has no transfer. Wrong types are errors
+// naming the key.
+func ParseTransferParams(data []byte) (*TransferParams, error) {
+	if len(data) == 0 || string(data) == "null" {
+		return nil, nil
+	}
+	var raw map[string]json.RawMessage
+	if err := json.Unmarshal(data, &raw); err != nil {
+		return nil, fmt.Errorf("kv_transfer_params: not a JSON object: %w", err)
+	}
+	if len(raw) == 0 {
+		return nil, nil
+	}
+	p := &TransferParams{raw: raw, TPSize: 1, DCPSize: 1, PPSize: 1}
+	var err error
+	if p.DoRemotePrefill, _, err = getBool(raw, "do_remote_prefill"); err != nil {
+		return nil, err
+	}
+	if p.DoRemoteDecode, _, err = getBool(raw, "do_remote_decode"); err != nil {
+		return nil, err
+	}
+	if p.BlocksProcessed, _, err = getBool(raw, "_remote_blocks_processed"); err != nil {
+		return nil, err
+	}
+	if p.RemoteEngineID, p.hasEngine, err = getString(raw, "remote_engine_id"); err != nil {
+		return nil, err
+	}
+	if p.RemoteRequestID, p.hasRequest, err = getString(raw, "remote_request_id"); err != nil {
+		return nil, err
+	}
+	if p.RemoteHost, p.hasHost, err = getString(raw, "remote_host"); err != nil {
+		return nil, err
+	}
+	var port int64
+	if port, p.hasPort, err = getInt(raw, "remote_port"); err != nil {
+		return nil, err
+	}
+	if p.hasPort && (port < 0 || port > 65535) {
+		return nil, fmt.Errorf("kv_transfer_params: remote_port %d out of range", port)
+	}
+	p.RemotePort = int(port)
+	if v, ok, err := getInt(raw, "tp_size"); err != nil {
+		return nil, err
+	} else if ok {
+		if v < 1 || v > 1<<16 {
+			return nil, fmt.Errorf("kv_transfer_params: tp_size %d out of range", v)
+		}
+		p.TPSize, p.hasTPSize = int(v), true
+	}
+	for _, k := range []struct {
+		key string
+		dst *int
+	}{{"dcp_size", &p.DCPSize}, {"pp_size", &p.PPSize}, {"remote_block_size", &p.RemoteBlockSize}} {
+		if v, ok, err := getInt(raw, k.key); err != nil {
+			return nil, err
+		} else if ok {
+			if v < 0 || v > 1<<20 {
+				return nil, fmt.Errorf("kv_transfer_params: %s %d out of range", k.key, v)
+			}
+			*k.dst = int(v)
+		}
+	}
+	if p.DCPSize == 0 {
+		p.DCPSize = 1
+	}
+	if p.PPSize == 0 {
+		p.PPSize = 1
+	}
+	if v, ok, err := getInt(raw, "remote_num_tokens"); err != nil {
+		return nil, err
+	} else if ok {
+		if v < 0 {
+			return nil, fmt.Errorf("kv_transfer_params: remote_num_tokens %d is negative", v)
+		}
+		p.RemoteNumTokens = v
+	}
+	if v, ok, err := getFloat(raw, "remote_blocks_expiry_time"); err != nil {
+		return nil, err
+	} else if ok {
+		p.RemoteExpiry = &v
+	}
+	if ids, ok := raw["remote_block_ids"]; ok && string(ids) != "null" {
+		b, err := parseBlockIDs(ids)
+		if err != nil {
+			return nil, err
+		}
+		p.RemoteBlockIDs = b
+		p.HasRemoteBlocks = !b.Empty()
+	}
+	return p, nil
+}
+
+// parseBlockIDs accepts vLLM's two spellings: a flat list [1,2,3] (one
+// group, as older versions send) or a list of lists [[1,2],[3]].
+func parseBlockIDs(data json.RawMessage) (BlockIDs, error) {
+	var outer []json.RawMessage
+	if err := json.Unmarshal(data, &outer); err != nil {
+		return nil, fmt.Errorf("kv_transfer_params: remote_block_ids must be a list: %w", err)
+	}
+	if len(outer) == 0 {
+		return BlockIDs{}, nil
+	}
+	if len(outer[0]) > 0 && outer[0][0] == '[' {
+		out := make(BlockIDs, len(outer))
+		for i, g := range outer {
+			ids, err := parseIDList(g)
+			if err != nil {
+				return nil, fmt.Errorf("kv_transfer_params: remote_block_ids[%d]: %w", i, err)
+			}
+			out[i] = ids
+		}
+		return out, nil
+	}
+	ids, err := parseIDList(data)
+	if err != nil {
+		return nil, fmt.Errorf("kv_transfer_params: remote_block_ids: %w", err)
+	}
+	return BlockIDs{ids}, nil
+}
+
+func parseIDList(data json.RawMessage) ([]int64, error) {
+	var nums []json.Number
+	if err := json.Unmarshal(data, &nums); err != nil {
+		return nil, fmt.Errorf("must be a list of integers: %w", err)
+	}
+	out := make([]int64, len(nums))
+	for i, n := range nums {
+		v, err := strconv.ParseInt(n.String(), 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("element %d (%s) is not an integer", i, n)
+		}
+		if v < 0 {
+			return nil, fmt.Errorf("element %d is a negative block id (%d)", i, v)
+		}
+		out[i] = v
+	}
+	return out, nil
+}
+
+func getBool(raw map[string]json.RawMessage, key string) (bool, bool, error) {
+	v, ok := raw[key]
+	if !ok || string(v) == "null" {
+		return false, ok, nil
+	}
+	var b bool
+	if err := json.Unmarshal(v, &b); err != nil {
+		return false, true, fmt.Errorf("kv_transfer_params: %s must be a boolean, got %s", key, v)
+	}
+	return b, true, nil
+}
+
+func getString(raw map[string]json.RawMessage, key string) (string, bool, error) {
+	v, ok := raw[key]
+	if !ok {
+		return "", false, nil
+	}
+	if string(v) == "null" {
+		// vLLM's `key in params` is true for a None value; the proxy sends
+		// remote_*: null to prefills. Present, but empty.
+		return "", true, nil
+	}
+	var s string
+	if err := json.Unmarshal(v, &s); err != nil {
+		return "", true, fmt.Errorf("kv_transfer_params: %s must be a string, got %s", key, v)
+	}
+	return s, true, nil
+}
+
+func getFloat(raw map[string]json.RawMessage, key string) (float64, bool, error) {
+	v, ok := raw[key]
+	if !ok || string(v) == "null" {
+		return 0, false, nil
+	}
+	var f float64
+	if err := json.Unmarshal(v, &f); err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
+		return 0, true, fmt.Errorf("kv_transfer_params: %s must be a number, got %s", key, v)
+	}
+	return f, true, nil
+}
+
+func getInt(raw map[string]json.RawMessage, key string) (int64, bool, error) {
+	v, ok := raw[key]
+	if !ok || string(v) == "null" {
+		return 0, ok && string(v) == "null", nil
+	}
+	var n json.Number
+	if err := json.Unmarshal(v, &n); err != nil {
+		return 0, true, fmt.Errorf("kv_transfer_params: %s must be an integer, got %s", key, v)
+	}
+	i, err := strconv.ParseInt(n.String(), 10, 64)
+	if err != nil {
+		return 0, true, fmt.Errorf("kv_transfer_params: %s must be an integer, got %s", key, v)
+	}
+	return i, true, nil
+}

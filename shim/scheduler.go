@@ -1,0 +1,389 @@
+package shim
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"sort"
+	"sync"
+
+	"go.uber.org/zap"
+
+	"github.com/gonixl/gonixl/sidechannel"
+)
+
+// Scheduler is the scheduler-side connector state of one engine (vLLM's
+// NixlPullConnectorScheduler). It lives in the EngineCore process and owns
+// the side-channel listener.
+type Scheduler struct {
+	cfg   *Config
+	clock Clock
+	log   *zap.Logger
+
+	mu                sync.Mutex
+	closed            bool
+	reqsNeedRecv      map[string]*RecvReq
+	reqsNeedRecvOrder []string
+	reqsNeedSend      map[string]float64
+	reqsInBatch       map[string]struct{}
+	reqsNotProcessed  map[string]struct{}
+	hbByEngine        map[string]*hbTarget
+	hbReqEngine       map[string][2]string // local req id -> (engine, remote req id)
+	lastHeartbeat     float64
+	hbInterval        float64
+	listener          *sidechannel.Listener
+}
+
+type hbTarget struct {
+	info HeartbeatInfo
+	ids  map[string]struct{}
+}
+
+// NewScheduler validates cfg and creates the scheduler side. clock may be
+// nil (monotonic clock).
+func NewScheduler(cfg *Config, clock Clock) (*Scheduler, error) {
+	if cfg.Role != RoleScheduler {
+		return nil, errRole(cfg.Role, RoleScheduler)
+	}
+	if clock == nil {
+		clock = MonotonicClock
+	}
+	s := &Scheduler{
+		cfg:              cfg,
+		clock:            clock,
+		log:              Logger().With(zap.String("role", "scheduler"), zap.String("engine_id", cfg.EngineID)),
+		reqsNeedRecv:     map[string]*RecvReq{},
+		reqsNeedSend:     map[string]float64{},
+		reqsInBatch:      map[string]struct{}{},
+		reqsNotProcessed: map[string]struct{}{},
+		hbByEngine:       map[string]*hbTarget{},
+		hbReqEngine:      map[string][2]string{},
+		// vLLM: kv_lease_duration // 6 (integer seconds).
+		hbInterval: float64(int(cfg.KVLeaseDuration) / 6),
+	}
+	if cfg.KVRole == "kv_both" {
+		s.log.Warn("kv_role=kv_both is deprecated: set kv_producer on prefill instances and kv_consumer on decode instances")
+	}
+	s.log.Info("scheduler started",
+		zap.String("kv_role", cfg.KVRole),
+		zap.Float64("kv_lease_duration", cfg.KVLeaseDuration),
+		zap.String("side_channel", fmt.Sprintf("%s:%d", cfg.SideChannelHost, cfg.SideChannelPort+cfg.DPIndex)))
+	return s, nil
+}
+
+// OnNewRequest starts heartbeat tracking for a decode request that waits
+// for a remote prefill's KV (vLLM's on_new_request).
+func (s *Scheduler) OnNewRequest(reqID string, p *TransferParams) {
+	if p == nil || !p.DoRemotePrefill || !p.HasHeartbeatTarget() {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	t, ok := s.hbByEngine[p.RemoteEngineID]
+	if !ok {
+		t = &hbTarget{
+			info: HeartbeatInfo{Host: p.RemoteHost, Port: p.RemotePort, TPSize: p.TPSize, DCPSize: p.DCPSize, PPSize: p.PPSize},
+			ids:  map[string]struct{}{},
+		}
+		s.hbByEngine[p.RemoteEngineID] = t
+	}
+	t.ids[p.RemoteRequestID] = struct{}{}
+	s.hbReqEngine[reqID] = [2]string{p.RemoteEngineID, p.RemoteRequestID}
+}
+
+func (s *Scheduler) stopHeartbeatLocked(reqID string) {
+	key, ok := s.hbReqEngine[reqID]
+	if !ok {
+		return
+	}
+	delete(s.hbReqEngine, reqID)
+	if t, ok := s.hbByEngine[key[0]]; ok {
+		delete(t.ids, key[1])
+		if len(t.ids) == 0 {
+			delete(s.hbByEngine, key[0])
+		}
+	}
+}
+
+// GetNumNewMatchedTokens returns how many prompt tokens can be loaded from
+// the remote engine beyond numComputed, and whether loading is asynchronous.
+func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, numComputed int64) (int64, bool) {
+	if p == nil {
+		return 0, false
+	}
+	if p.DoRemotePrefill {
+		// No prefill back-off: gonixl serves attention-only models (no
+		// Mamba, no multi-token-prediction lookahead).
+		if count := numPromptTokens - numComputed; count > 0 {
+			return count, true
+		}
+	}
+	if p.DoRemoteDecode && p.HasRemoteBlocks && p.HasRemoteEndpoint() {
+		// Bidirectional: the prefill pulls the previous turn's KV back from
+		// the decode that holds it.
+		remote := p.RemoteNumTokens
+		if remote > numPromptTokens {
+			remote = numPromptTokens
+		}
+		if count := remote - numComputed; count > 0 {
+			if th := int64(s.cfg.KVRecomputeThreshold); th > 0 && count < th {
+				return 0, false
+			}
+			return count, true
+		}
+	}
+	return 0, false
+}
+
+// UpdateStateAfterAlloc records the local blocks allocated for a request.
+// localBlocks are the unhashed (new) block ids per group, empty when no
+// external tokens are loaded. It returns true when the caller must mirror
+// vLLM's parameter update (do_remote_prefill=False,
+// _remote_blocks_processed=True) on the request's kv_transfer_params.
+func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, localBlocks BlockIDs, localNumComputed []int64, numExternal int64) (bool, error) {
+	if p == nil {
+		return false, nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p.DoRemoteDecode || (p.DoRemotePrefill && s.cfg.BidirectionalKVXfer) {
+		s.reqsInBatch[reqID] = struct{}{}
+	}
+	if !(p.DoRemotePrefill || (p.DoRemoteDecode && s.cfg.BidirectionalKVXfer && !p.BlocksProcessed)) {
+		return false, nil
+	}
+	if p.HasRemoteBlocks {
+		if !p.HasRemoteEndpoint() || p.RemoteEngineID == "" || p.RemoteRequestID == "" || p.RemoteHost == "" {
+			s.log.Warn("invalid kv_transfer_params: this request will not use KV transfer",
+				zap.String("req_id", reqID), zap.String("reason", "remote_engine_id, remote_request_id, remote_host and remote_port are required"))
+		} else {
+			if numExternal <= 0 {
+				localBlocks = nil
+			}
+			rr := &RecvReq{
+				LocalBlockIDs:    localBlocks,
+				LocalNumComputed: localNumComputed,
+				TPSize:           p.TPSize,
+				DCPSize:          p.DCPSize,
+				PPSize:           p.PPSize,
+				RemoteBlockSize:  p.RemoteBlockSize,
+				AwaitingKVs:      numExternal > 0,
+				Remote: RemoteMeta{
+					BlockIDs:  p.RemoteBlockIDs,
+					Host:      p.RemoteHost,
+					Port:      p.RemotePort,
+					EngineID:  p.RemoteEngineID,
+					RequestID: p.RemoteRequestID,
+					Expiry:    p.RemoteExpiry,
+					NumTokens: p.RemoteNumTokens,
+				},
+			}
+			s.addRecvLocked(reqID, rr)
+		}
+	} else if numExternal != 0 {
+		return false, fmt.Errorf("request %s: %d external tokens but kv_transfer_params has no remote_block_ids", reqID, numExternal)
+	}
+	return true, nil
+}
+
+func (s *Scheduler) addRecvLocked(reqID string, rr *RecvReq) {
+	if _, ok := s.reqsNeedRecv[reqID]; !ok {
+		s.reqsNeedRecvOrder = append(s.reqsNeedRecvOrder, reqID)
+	}
+	s.reqsNeedRecv[reqID] = rr
+}
+
+// BuildMeta returns this step's encoded metadata for the workers and resets
+// the per-step state.
+func (s *Scheduler) BuildMeta() ([]byte, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.clock()
+	m := &StepMeta{
+		ReqsToRecv:       make(map[string]*RecvReq, len(s.reqsNeedRecv)),
+		ReqsToSend:       s.reqsNeedSend,
+		SchedulerClock:   now,
+		ReqsInBatch:      sortedKeys(s.reqsInBatch),
+		ReqsNotProcessed: sortedKeys(s.reqsNotProcessed),
+	}
+	for _, id := range s.reqsNeedRecvOrder {
+		m.ReqsToRecv[id] = s.reqsNeedRecv[id]
+	}
+	if len(s.hbByEngine) > 0 && now-s.lastHeartbeat >= s.hbInterval {
+		s.lastHeartbeat = now
+		m.Heartbeats = make(map[string]*HeartbeatInfo, len(s.hbByEngine))
+		for eng, t := range s.hbByEngine {
+			info := t.info
+			info.ReqIDs = sortedKeys(t.ids)
+			m.Heartbeats[eng] = &info
+		}
+	}
+	b, err := m.Encode()
+	if err != nil {
+		return nil, err
+	}
+	s.reqsNeedRecv = map[string]*RecvReq{}
+	s.reqsNeedRecvOrder = nil
+	s.reqsNeedSend = map[string]float64{}
+	s.reqsInBatch = map[string]struct{}{}
+	s.reqsNotProcessed = map[string]struct{}{}
+	return b, nil
+}
+
+// RequestFinished decides whether a finished request's blocks are freed now
+// or held for a remote reader, and returns the kv_transfer_params for the
+// request's output (JSON, nil for none). finishedNormally is true for
+// FINISHED_LENGTH_CAPPED and FINISHED_STOPPED. numComputedTokens is the
+// request's num_computed_tokens. blockIDs are the request's blocks per group.
+func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNormally bool, numComputedTokens int64, blockIDs BlockIDs) (bool, []byte, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p == nil {
+		return false, nil, nil
+	}
+	isP := p.DoRemoteDecode
+	isD := !isP
+	s.stopHeartbeatLocked(reqID)
+	if p.DoRemotePrefill {
+		// Aborted (or finished) before its KV was loaded: send the
+		// notify-only message so the prefill frees its blocks now.
+		s.addRecvLocked(reqID, &RecvReq{
+			TPSize: p.TPSize, DCPSize: p.DCPSize, PPSize: p.PPSize, RemoteBlockSize: p.RemoteBlockSize,
+			Remote: RemoteMeta{BlockIDs: p.RemoteBlockIDs, Host: p.RemoteHost, Port: p.RemotePort,
+				EngineID: p.RemoteEngineID, RequestID: p.RemoteRequestID, Expiry: p.RemoteExpiry, NumTokens: p.RemoteNumTokens},
+		})
+		if !p.HasRemoteEndpoint() || p.RemoteEngineID == "" || p.RemoteHost == "" {
+			delete(s.reqsNeedRecv, reqID)
+		}
+		return false, nil, nil
+	}
+	if isD && !s.cfg.BidirectionalKVXfer {
+		return false, nil, nil
+	}
+	if !finishedNormally {
+		s.reqsNotProcessed[reqID] = struct{}{}
+		return false, nil, nil
+	}
+	delay := !blockIDs.Empty()
+	var remoteNumTokens int64
+	var expiry *float64
+	if delay {
+		ttl := s.cfg.KVLeaseDuration
+		if isD {
+			ttl = s.cfg.DecoderKVBlocksTTL
+		}
+		exp := s.clock() + ttl
+		s.reqsNeedSend[reqID] = exp
+		if isD {
+			expiry = &exp
+		}
+		remoteNumTokens = numComputedTokens
+	} else {
+		blockIDs = BlockIDs{}
+	}
+	if blockIDs == nil {
+		blockIDs = BlockIDs{}
+	}
+	out := outParams{
+		DoRemotePrefill: isP,
+		DoRemoteDecode:  isD,
+		RemoteBlockIDs:  blockIDs,
+		RemoteEngineID:  s.cfg.EngineID,
+		RemoteRequestID: reqID,
+		RemoteHost:      s.cfg.SideChannelHost,
+		RemotePort:      s.cfg.SideChannelPort + s.cfg.DPIndex,
+		TPSize:          s.cfg.TPSize,
+		DCPSize:         1,
+		PPSize:          s.cfg.PPSize,
+		RemoteNumTokens: remoteNumTokens,
+		RemoteExpiry:    expiry,
+		TransferMode:    "pull",
+	}
+	b, err := json.Marshal(out)
+	if err != nil {
+		return false, nil, err
+	}
+	return delay, b, nil
+}
+
+// outParams is the kv_transfer_params dict request_finished returns, with
+// vLLM's exact keys.
+type outParams struct {
+	DoRemotePrefill bool     `json:"do_remote_prefill"`
+	DoRemoteDecode  bool     `json:"do_remote_decode"`
+	RemoteBlockIDs  BlockIDs `json:"remote_block_ids"`
+	RemoteEngineID  string   `json:"remote_engine_id"`
+	RemoteRequestID string   `json:"remote_request_id"`
+	RemoteHost      string   `json:"remote_host"`
+	RemotePort      int      `json:"remote_port"`
+	TPSize          int      `json:"tp_size"`
+	DCPSize         int      `json:"dcp_size"`
+	PPSize          int      `json:"pp_size"`
+	RemoteNumTokens int64    `json:"remote_num_tokens"`
+	RemoteExpiry    *float64 `json:"remote_blocks_expiry_time"`
+	TransferMode    string   `json:"transfer_mode"`
+}
+
+// UpdateConnectorOutput stops heartbeats for requests whose KV arrived.
+func (s *Scheduler) UpdateConnectorOutput(finishedRecving []string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, id := range finishedRecving {
+		s.stopHeartbeatLocked(id)
+	}
+}
+
+// SetHandshakePayload serves a worker's encoded NixlHandshakePayload for
+// (pp, tp) on the side channel, starting the listener on first use.
+func (s *Scheduler) SetHandshakePayload(pp, tp int, payload []byte) error {
+	if _, err := sidechannel.DecodeHandshakePayload(payload); err != nil {
+		return fmt.Errorf("handshake payload for pp_rank=%d tp_rank=%d: %w", pp, tp, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return fmt.Errorf("scheduler is closed")
+	}
+	if s.listener == nil {
+		env, err := sidechannel.FromEnv(os.Getenv)
+		if err != nil {
+			return err
+		}
+		l, err := sidechannel.NewListener(sidechannel.ListenerConfig{
+			Host:     s.cfg.SideChannelHost,
+			BasePort: s.cfg.SideChannelPort,
+			DPIndex:  s.cfg.DPIndex,
+			Secret:   sidechannel.ResolveSecret(s.cfg.SideChannelSecret, env),
+			Logger:   s.log,
+			Clock:    s.clock,
+		})
+		if err != nil {
+			return err
+		}
+		s.listener = l
+		s.log.Info("side-channel listener started", zap.String("addr", l.Addr().String()))
+	}
+	return s.listener.SetPayload(pp, tp, payload)
+}
+
+// Close stops the listener. Idempotent.
+func (s *Scheduler) Close() error {
+	s.mu.Lock()
+	l := s.listener
+	s.listener = nil
+	s.closed = true
+	s.mu.Unlock()
+	if l != nil {
+		return l.Stop()
+	}
+	return nil
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}

@@ -1,0 +1,81 @@
+package shim
+
+import (
+	"fmt"
+
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// RemoteMeta says where a request's KV lives on the remote engine.
+type RemoteMeta struct {
+	BlockIDs  BlockIDs `msgpack:"block_ids"`
+	Host      string   `msgpack:"host"`
+	Port      int      `msgpack:"port"`
+	EngineID  string   `msgpack:"engine_id"`
+	RequestID string   `msgpack:"request_id"`
+	Expiry    *float64 `msgpack:"expiry,omitempty"` // remote_blocks_expiry_time, remote clock
+	NumTokens int64    `msgpack:"num_tokens"`
+}
+
+// RecvReq is one request the worker must load (vLLM's ReqMeta).
+type RecvReq struct {
+	LocalBlockIDs    BlockIDs   `msgpack:"local_block_ids"`
+	LocalNumComputed []int64    `msgpack:"local_num_computed"`
+	TPSize           int        `msgpack:"tp_size"`
+	DCPSize          int        `msgpack:"dcp_size"`
+	PPSize           int        `msgpack:"pp_size"`
+	RemoteBlockSize  int        `msgpack:"remote_block_size"`
+	AwaitingKVs      bool       `msgpack:"awaiting_kvs"`
+	Remote           RemoteMeta `msgpack:"remote"`
+}
+
+// HeartbeatInfo is what a decode worker needs to keep one prefill engine's
+// leases alive.
+type HeartbeatInfo struct {
+	ReqIDs  []string `msgpack:"req_ids"` // remote (prefill) request ids
+	Host    string   `msgpack:"host"`
+	Port    int      `msgpack:"port"`
+	TPSize  int      `msgpack:"tp_size"`
+	DCPSize int      `msgpack:"dcp_size"`
+	PPSize  int      `msgpack:"pp_size"`
+}
+
+// StepMeta is the per-step scheduler → worker metadata (vLLM's
+// NixlConnectorMetadata), carried through vLLM as one opaque bytes field.
+type StepMeta struct {
+	ReqsToRecv       map[string]*RecvReq       `msgpack:"reqs_to_recv"`
+	ReqsToSend       map[string]float64        `msgpack:"reqs_to_send"` // expiry, scheduler clock
+	SchedulerClock   float64                   `msgpack:"scheduler_clock"`
+	ReqsInBatch      []string                  `msgpack:"reqs_in_batch"`
+	ReqsNotProcessed []string                  `msgpack:"reqs_not_processed"`
+	Heartbeats       map[string]*HeartbeatInfo `msgpack:"heartbeats"` // by remote engine id
+}
+
+// stepMetaVersion guards against a scheduler and worker from different
+// builds exchanging metadata.
+const stepMetaVersion = 1
+
+type stepEnvelope struct {
+	Version int       `msgpack:"v"`
+	Meta    *StepMeta `msgpack:"m"`
+}
+
+// Encode serialises the metadata.
+func (m *StepMeta) Encode() ([]byte, error) {
+	return msgpack.Marshal(&stepEnvelope{Version: stepMetaVersion, Meta: m})
+}
+
+// DecodeStepMeta parses metadata made by Encode. Garbage is an error.
+func DecodeStepMeta(b []byte) (*StepMeta, error) {
+	var env stepEnvelope
+	if err := msgpack.Unmarshal(b, &env); err != nil {
+		return nil, fmt.Errorf("step metadata: %w", err)
+	}
+	if env.Version != stepMetaVersion {
+		return nil, fmt.Errorf("step metadata: version %d, this library speaks %d (scheduler and worker run different gonixl builds)", env.Version, stepMetaVersion)
+	}
+	if env.Meta == nil {
+		return nil, fmt.Errorf("step metadata: empty")
+	}
+	return env.Meta, nil
+}

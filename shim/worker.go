@@ -1,0 +1,798 @@
+package shim
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/sidechannel"
+)
+
+// WorkerInit is what register_kv_caches hands over: the KV-cache tensors'
+// geometry and the facts of the attention backend.
+type WorkerInit struct {
+	Layers        []LayerTensor `json:"layers"`
+	NumBlocks     int64         `json:"num_blocks"`
+	BlockSize     int64         `json:"block_size"`
+	AttnBackend   string        `json:"attn_backend"`
+	KVCacheLayout string        `json:"kv_cache_layout"`
+}
+
+// Finished is what get_finished reports for one step.
+type Finished struct {
+	Sending []string `json:"finished_sending"`
+	Recving []string `json:"finished_recving"`
+	Failed  []string `json:"failed_recving"`
+}
+
+// Worker is the worker-side connector state of one rank: the transfer
+// agent, the registered KV cache, handshakes with remote engines, READs in
+// flight, notifications and the prefill-side leases.
+type Worker struct {
+	cfg   *Config
+	clock Clock
+	log   *zap.Logger
+	prom  *promMetrics
+	stats *Stats
+
+	mu         sync.Mutex
+	closed     bool
+	engine     nixl.Engine
+	agent      nixl.Agent
+	layout     *KVLayout
+	localList  nixl.DescList
+	payload    []byte
+	compatHash string
+	hs         *sidechannel.Client
+	blockSize  int64
+	kvLayout   string
+
+	remotes     map[string]*remoteEngine
+	handshakes  map[string]*handshakeState
+	recv        map[string]*recvState
+	done        Finished
+	invalid     map[int64]struct{}
+	toProcess   map[string]struct{}
+	toSend      map[string]float64 // lease deadline, this worker's clock
+	consumers   map[string]int
+	pendingFin  []byte
+	leaseExtend float64
+}
+
+type remoteEngine struct {
+	id        string
+	agent     string
+	list      nixl.DescList
+	numBlocks int64
+	regions   int
+	offset    float64 // remote clock - local clock
+}
+
+type handshakeState struct {
+	waiting []string // request ids waiting for this engine
+}
+
+type recvState struct {
+	id      string
+	meta    *RecvReq
+	xfers   []*inflight
+	waiting bool // for a handshake
+	failed  bool
+	report  bool // vLLM tracks it in _recving_metadata
+}
+
+type inflight struct {
+	x        nixl.Xfer
+	deadline float64
+}
+
+// NewWorker validates cfg and creates the worker side. clock may be nil.
+// The transfer agent is created by RegisterKVCaches, when the memory type
+// is known.
+func NewWorker(cfg *Config, clock Clock) (*Worker, error) {
+	if cfg.Role != RoleWorker {
+		return nil, errRole(cfg.Role, RoleWorker)
+	}
+	if clock == nil {
+		clock = MonotonicClock
+	}
+	prom := newPromMetrics(cfg.EngineID)
+	w := &Worker{
+		cfg:   cfg,
+		clock: clock,
+		log: Logger().With(zap.String("role", "worker"), zap.String("engine_id", cfg.EngineID),
+			zap.Int("tp_rank", cfg.TPRank), zap.Int("pp_rank", cfg.PPRank)),
+		prom:       prom,
+		stats:      newStats(prom),
+		remotes:    map[string]*remoteEngine{},
+		handshakes: map[string]*handshakeState{},
+		recv:       map[string]*recvState{},
+		invalid:    map[int64]struct{}{},
+		toProcess:  map[string]struct{}{},
+		toSend:     map[string]float64{},
+		consumers:  map[string]int{},
+		// vLLM: kv_lease_duration * 2 // 3
+		leaseExtend: float64(int(cfg.KVLeaseDuration) * 2 / 3),
+	}
+	if w.leaseExtend <= 0 {
+		w.leaseExtend = cfg.KVLeaseDuration * 2 / 3
+	}
+	return w, nil
+}
+
+func randomSuffix() string {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// RegisterKVCaches registers the KV cache with a transfer agent and builds
+// the handshake payload this rank serves.
+func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return errors.New("worker is closed")
+	}
+	if w.agent != nil {
+		return errors.New("register_kv_caches called twice")
+	}
+	layout, err := BuildLayout(init.Layers, init.NumBlocks)
+	if err != nil {
+		return err
+	}
+	eng, why, err := nixl.Select(w.cfg.TransferEngine, layout.Mem)
+	if err != nil {
+		return fmt.Errorf("transfer engine %q: %w", w.cfg.TransferEngine, err)
+	}
+	w.log.Info("transfer engine selected", zap.String("engine", eng.Name()), zap.String("why", why), zap.String("info", eng.Info()))
+	agent, err := eng.NewAgent(nixl.AgentConfig{
+		Name:           fmt.Sprintf("%s-pp%d-tp%d-%s", w.cfg.EngineID, w.cfg.PPRank, w.cfg.TPRank, randomSuffix()),
+		Backends:       w.cfg.Backends,
+		ProgressThread: true,
+		NumThreads:     w.cfg.NumThreads,
+		Telemetry:      true,
+	})
+	if err != nil {
+		return fmt.Errorf("create transfer agent: %w", err)
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			_ = agent.Close()
+		}
+	}()
+	if err := agent.RegisterMem(layout.Mem, layout.Storage); err != nil {
+		return fmt.Errorf("register KV cache memory: %w", err)
+	}
+	list, err := agent.PrepDescList("", layout.Mem, layoutDescs(layout.Regions, layout.NumBlocks, layout.DeviceID))
+	if err != nil {
+		return fmt.Errorf("prepare local descriptors: %w", err)
+	}
+	md, err := agent.LocalMetadata()
+	if err != nil {
+		return fmt.Errorf("agent metadata: %w", err)
+	}
+	factors := map[string]any{}
+	for k, v := range w.cfg.CompatFactors {
+		factors[k] = v
+	}
+	factors["attn_backend_name"] = init.AttnBackend
+	if eng.Name() != "nixl" {
+		// A gonixl engine speaking its own transport can only pair with the
+		// same transport; NIXL-based engines keep vLLM's exact hash.
+		factors["gonixl_transfer_engine"] = eng.Name()
+	}
+	hash, err := sidechannel.HashFactors(factors)
+	if err != nil {
+		return fmt.Errorf("compatibility hash: %w", err)
+	}
+	am := sidechannel.NewAgentMetadata()
+	am.EngineID = w.cfg.EngineID
+	am.AgentMetadata = md
+	am.DeviceID = int64(layout.DeviceID)
+	am.NumBlocks = layout.NumBlocks
+	am.KVCacheLayout = init.KVCacheLayout
+	am.BlockSize = init.BlockSize
+	am.AttnBackendName = init.AttnBackend
+	am.PhysicalBlocksPerLogicalKVBlock = 1
+	for _, r := range layout.Regions {
+		am.KVCachesBaseAddr = append(am.KVCachesBaseAddr, r.Base)
+		am.BlockLens = append(am.BlockLens, int64(r.Len))
+		am.BlockStrides = append(am.BlockStrides, int64(r.Stride))
+		am.RegionMemTypes = append(am.RegionMemTypes, layout.Mem.String())
+		am.RegionNames = append(am.RegionNames, r.Layer)
+	}
+	payload := (&sidechannel.HandshakePayload{CompatibilityHash: hash, AgentMetadataBytes: am.Encode()}).Encode()
+
+	env, err := sidechannel.FromEnv(os.Getenv)
+	if err != nil {
+		return err
+	}
+	w.hs = sidechannel.NewClient(sidechannel.ClientConfig{
+		CompatHash:          hash,
+		AllowCompatMismatch: !w.cfg.EnforceHandshakeCompat,
+		Secret:              sidechannel.ResolveSecret(w.cfg.SideChannelSecret, env),
+		Timeout:             time.Duration(w.cfg.HandshakeTimeout * float64(time.Second)),
+		Clock:               w.clock,
+		Logger:              w.log,
+	})
+	w.engine, w.agent, w.layout, w.localList = eng, agent, layout, list
+	w.payload, w.compatHash = payload, hash
+	w.blockSize, w.kvLayout = init.BlockSize, init.KVCacheLayout
+	ok = true
+	var total uint64
+	for _, s := range layout.Storage {
+		total += s.Len
+	}
+	w.log.Info("KV cache registered", zap.Int("regions", len(layout.Regions)), zap.Int64("num_blocks", layout.NumBlocks),
+		zap.Uint64("block_len", layout.Regions[0].Len), zap.Uint64("bytes", total), zap.String("mem", layout.Mem.String()),
+		zap.String("compat_hash", hash))
+	return nil
+}
+
+// HandshakePayload returns the encoded NixlHandshakePayload this rank
+// serves through the scheduler's listener.
+func (w *Worker) HandshakePayload() ([]byte, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.payload == nil {
+		return nil, errors.New("no handshake payload before register_kv_caches")
+	}
+	return w.payload, nil
+}
+
+// StartLoadKV takes one step's metadata: posts READs (handshaking in the
+// background first where needed), updates the prefill-side lease table and
+// sends heartbeats. It never blocks on the network.
+func (w *Worker) StartLoadKV(metaBytes []byte) error {
+	m, err := DecodeStepMeta(metaBytes)
+	if err != nil {
+		return err
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.agent == nil {
+		if len(m.ReqsToRecv) > 0 {
+			return errors.New("start_load_kv before register_kv_caches")
+		}
+		return nil
+	}
+	ids := make([]string, 0, len(m.ReqsToRecv))
+	for id := range m.ReqsToRecv {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	for _, id := range ids {
+		rr := m.ReqsToRecv[id]
+		if old, dup := w.recv[id]; dup && (old.waiting || len(old.xfers) > 0) {
+			w.log.Warn("request is already loading; ignoring the second load", zap.String("req_id", id))
+			continue
+		}
+		st := &recvState{id: id, meta: rr, report: rr.AwaitingKVs || !rr.LocalBlockIDs.Empty()}
+		w.recv[id] = st
+		w.readLocked(st)
+	}
+	for _, id := range m.ReqsInBatch {
+		w.toProcess[id] = struct{}{}
+	}
+	for _, id := range m.ReqsNotProcessed {
+		delete(w.toProcess, id)
+		delete(w.toSend, id)
+	}
+	now := w.clock()
+	for id, exp := range m.ReqsToSend {
+		if _, ok := w.toProcess[id]; !ok {
+			continue
+		}
+		if m.SchedulerClock != 0 {
+			exp = now + (exp - m.SchedulerClock) // rebase to this worker's clock
+		}
+		w.toSend[id] = exp
+	}
+	w.sendHeartbeatsLocked(m.Heartbeats)
+	return nil
+}
+
+// readLocked posts the READ for one request, or queues it behind a
+// handshake. Failures are recorded on the request, never returned: one bad
+// request must not stop the step.
+func (w *Worker) readLocked(st *recvState) {
+	rm := &st.meta.Remote
+	if rm.EngineID == "" {
+		w.failLocked(st, "transfer_setup_failed", "kv_transfer_params has no remote_engine_id", nil)
+		return
+	}
+	re, ok := w.remotes[rm.EngineID]
+	if !ok {
+		st.waiting = true
+		w.startHandshakeLocked(rm.EngineID, rm.Host, rm.Port, st.meta.TPSize, st.id)
+		return
+	}
+	st.waiting = false
+	notif := []byte(rm.RequestID + ":1")
+	local, remote, err := w.pairBlocks(st.meta, re)
+	if err != nil {
+		w.failLocked(st, "transfer_setup_failed", err.Error(), nil)
+		return
+	}
+	if len(local) == 0 {
+		// Full local prefix hit or abort before scheduling: tell the
+		// prefill it can free its blocks now.
+		if err := w.agent.SendNotif(re.agent, notif); err != nil {
+			w.stats.RecordFailedNotification()
+			w.logFailure("notification_failed", st, "P worker blocks will be freed after timeout. This may indicate network issues.", err)
+		}
+		return
+	}
+	nr := int64(len(w.layout.Regions))
+	lidx := make([]int32, 0, int(nr)*len(local))
+	ridx := make([]int32, 0, int(nr)*len(local))
+	for r := int64(0); r < nr; r++ {
+		for i := range local {
+			lidx = append(lidx, int32(r*w.layout.NumBlocks+local[i]))
+			ridx = append(ridx, int32(r*re.numBlocks+remote[i]))
+		}
+	}
+	x, err := w.agent.MakeXfer(nixl.Read, w.localList, lidx, re.list, ridx, notif)
+	if err != nil {
+		w.stats.RecordFailedTransfer()
+		w.failLocked(st, "transfer_setup_failed", "", err)
+		return
+	}
+	if _, err := x.Post(); err != nil {
+		_ = x.Release()
+		w.stats.RecordFailedTransfer()
+		w.failLocked(st, "transfer_failed", "", err)
+		w.dropRemoteOnDisconnect(re, err)
+		return
+	}
+	st.xfers = append(st.xfers, &inflight{x: x, deadline: w.clock() + w.cfg.TransferTimeout})
+}
+
+// pairBlocks validates and pairs local and remote block ids (group 0; the
+// KV caches gonixl registers form one group). With a local prefix-cache
+// hit the local list is shorter: only the tail of the remote blocks is read.
+func (w *Worker) pairBlocks(rr *RecvReq, re *remoteEngine) ([]int64, []int64, error) {
+	if len(rr.LocalBlockIDs) > 1 || len(rr.Remote.BlockIDs) > 1 {
+		return nil, nil, fmt.Errorf("%d local / %d remote KV-cache groups: only one group (full attention) is supported",
+			len(rr.LocalBlockIDs), len(rr.Remote.BlockIDs))
+	}
+	var local, remote []int64
+	if len(rr.LocalBlockIDs) == 1 {
+		local = rr.LocalBlockIDs[0]
+	}
+	if len(rr.Remote.BlockIDs) == 1 {
+		remote = rr.Remote.BlockIDs[0]
+	}
+	if len(local) == 0 {
+		return nil, nil, nil
+	}
+	if len(local) > len(remote) {
+		return nil, nil, fmt.Errorf("%d local blocks but the remote engine sent only %d block ids", len(local), len(remote))
+	}
+	remote = remote[len(remote)-len(local):]
+	for _, b := range local {
+		if b < 0 || b >= w.layout.NumBlocks {
+			return nil, nil, fmt.Errorf("local block id %d out of range [0, %d)", b, w.layout.NumBlocks)
+		}
+	}
+	for _, b := range remote {
+		if b < 0 || b >= re.numBlocks {
+			return nil, nil, fmt.Errorf("remote block id %d out of range [0, %d) of engine %s", b, re.numBlocks, re.id)
+		}
+	}
+	if int64(len(w.layout.Regions))*max(w.layout.NumBlocks, re.numBlocks) > 1<<31-1 {
+		return nil, nil, errors.New("descriptor ids exceed int32")
+	}
+	return local, remote, nil
+}
+
+func (w *Worker) failLocked(st *recvState, kind, msg string, err error) {
+	st.failed = true
+	w.logFailure(kind, st, msg, err)
+}
+
+// logFailure prints vLLM's failure line: "NIXL transfer failure: <type> |
+// Context: {...}".
+func (w *Worker) logFailure(kind string, st *recvState, msg string, err error) {
+	ctx := map[string]any{"failure_type": kind, "engine_id": w.cfg.EngineID}
+	if st != nil {
+		ctx["request_id"] = st.id
+		rm := st.meta.Remote
+		ctx["remote_engine_id"] = rm.EngineID
+		ctx["remote_request_id"] = rm.RequestID
+		ctx["remote_host"] = rm.Host
+		ctx["remote_port"] = rm.Port
+		ctx["num_local_blocks"] = st.meta.LocalBlockIDs.Count()
+		ctx["num_remote_blocks"] = rm.BlockIDs.Count()
+	}
+	if err != nil {
+		ctx["error"] = err.Error()
+	}
+	if msg != "" {
+		kind += ". " + msg
+	}
+	b, _ := json.Marshal(ctx)
+	w.log.Error("NIXL transfer failure: " + kind + " | Context: " + string(b))
+}
+
+func (w *Worker) startHandshakeLocked(engineID, host string, port, remoteTP int, reqID string) {
+	hsState, running := w.handshakes[engineID]
+	if running {
+		if reqID != "" {
+			hsState.waiting = append(hsState.waiting, reqID)
+		}
+		return
+	}
+	hsState = &handshakeState{}
+	if reqID != "" {
+		hsState.waiting = append(hsState.waiting, reqID)
+	}
+	w.handshakes[engineID] = hsState
+	if remoteTP != w.cfg.TPSize {
+		go w.finishHandshake(engineID, host, port, nil, fmt.Errorf("remote engine has tp_size=%d, this engine %d: heterogeneous TP is not supported", remoteTP, w.cfg.TPSize))
+		return
+	}
+	f := w.hs.Start(host, port, engineID, sidechannel.Rank{PP: 0, TP: w.cfg.TPRank})
+	go func() {
+		<-f.Done()
+		res, err := f.Result()
+		w.finishHandshake(engineID, host, port, res, err)
+	}()
+}
+
+// finishHandshake runs on the handshake goroutine: it loads the remote
+// agent and posts the READs that waited for it, or fails them.
+func (w *Worker) finishHandshake(engineID, host string, port int, res *sidechannel.Result, err error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	hsState := w.handshakes[engineID]
+	delete(w.handshakes, engineID)
+	if w.closed {
+		return
+	}
+	var re *remoteEngine
+	if err == nil {
+		re, err = w.addRemoteLocked(engineID, res)
+	}
+	if err != nil {
+		w.stats.RecordFailedHandshake()
+		w.logFailure("handshake_failed", nil, fmt.Sprintf("engine %s at %s:%d", engineID, host, port), err)
+	} else {
+		w.log.Info("handshake done", zap.String("remote_engine_id", engineID), zap.String("remote_agent", re.agent),
+			zap.Float64("clock_offset", re.offset), zap.Duration("rtt", res.BestRTT))
+	}
+	if hsState == nil {
+		return
+	}
+	for _, id := range hsState.waiting {
+		st, ok := w.recv[id]
+		if !ok || !st.waiting {
+			continue
+		}
+		st.waiting = false
+		if err != nil {
+			w.failLocked(st, "handshake_failed", "", err)
+			continue
+		}
+		w.readLocked(st)
+	}
+}
+
+func (w *Worker) addRemoteLocked(engineID string, res *sidechannel.Result) (*remoteEngine, error) {
+	md, ok := res.Agents[sidechannel.Rank{PP: 0, TP: w.cfg.TPRank}]
+	if !ok || md == nil {
+		return nil, fmt.Errorf("remote engine %s returned no metadata for tp_rank %d", engineID, w.cfg.TPRank)
+	}
+	if len(md.BlockLens) != len(w.layout.Regions) || len(md.KVCachesBaseAddr) != len(md.BlockLens) {
+		return nil, fmt.Errorf("remote engine %s has %d KV regions, this engine %d", engineID, len(md.BlockLens), len(w.layout.Regions))
+	}
+	if md.BlockSize != w.blockSize {
+		return nil, fmt.Errorf("remote engine %s has block_size %d, this engine %d", engineID, md.BlockSize, w.blockSize)
+	}
+	if md.KVCacheLayout != w.kvLayout {
+		return nil, fmt.Errorf("remote engine %s has KV cache layout %q, this engine %q", engineID, md.KVCacheLayout, w.kvLayout)
+	}
+	if md.NumBlocks <= 0 || md.NumBlocks > 1<<31 {
+		return nil, fmt.Errorf("remote engine %s advertises num_blocks=%d", engineID, md.NumBlocks)
+	}
+	strides := md.BlockStrides
+	if len(strides) == 0 {
+		strides = md.BlockLens
+	}
+	if len(strides) != len(md.BlockLens) {
+		return nil, fmt.Errorf("remote engine %s: %d block strides for %d regions", engineID, len(strides), len(md.BlockLens))
+	}
+	for i, r := range w.layout.Regions {
+		if uint64(md.BlockLens[i]) != r.Len {
+			return nil, fmt.Errorf("remote engine %s region %d has block length %d, this engine %d", engineID, i, md.BlockLens[i], r.Len)
+		}
+		if strides[i] < md.BlockLens[i] {
+			return nil, fmt.Errorf("remote engine %s region %d: stride %d < block length %d", engineID, i, strides[i], md.BlockLens[i])
+		}
+	}
+	name, err := w.agent.LoadRemoteMetadata(md.AgentMetadata)
+	if err != nil {
+		return nil, fmt.Errorf("load remote agent metadata: %w", err)
+	}
+	regs := make([]Region, len(md.KVCachesBaseAddr))
+	for i := range regs {
+		regs[i] = Region{Base: md.KVCachesBaseAddr[i], Len: uint64(md.BlockLens[i]), Stride: uint64(strides[i])}
+	}
+	// The engine checks every descriptor against the regions the peer
+	// registered: a lying peer gets an error here, not a wild read.
+	list, err := w.agent.PrepDescList(name, w.layout.Mem, layoutDescs(regs, md.NumBlocks, uint64(md.DeviceID)))
+	if err != nil {
+		_ = w.agent.InvalidateRemote(name)
+		return nil, fmt.Errorf("prepare remote descriptors: %w", err)
+	}
+	if old, ok := w.remotes[engineID]; ok {
+		_ = old.list.Release()
+		if old.agent != name {
+			_ = w.agent.InvalidateRemote(old.agent)
+		}
+	}
+	re := &remoteEngine{id: engineID, agent: name, list: list, numBlocks: md.NumBlocks, regions: len(regs), offset: res.ClockOffset}
+	w.remotes[engineID] = re
+	return re, nil
+}
+
+// dropRemoteOnDisconnect forgets a remote engine whose peer is gone, so the
+// next request re-handshakes (a restarted prefill gets a fresh agent).
+func (w *Worker) dropRemoteOnDisconnect(re *remoteEngine, err error) {
+	if !errors.Is(err, nixl.ErrRemoteDiscon) {
+		return
+	}
+	if cur, ok := w.remotes[re.id]; ok && cur == re {
+		delete(w.remotes, re.id)
+		_ = re.list.Release()
+		_ = w.agent.InvalidateRemote(re.agent)
+		w.log.Warn("remote engine disconnected; it will be re-handshaken on next use", zap.String("remote_engine_id", re.id))
+	}
+}
+
+func (w *Worker) sendHeartbeatsLocked(hbs map[string]*HeartbeatInfo) {
+	engines := make([]string, 0, len(hbs))
+	for e := range hbs {
+		engines = append(engines, e)
+	}
+	sort.Strings(engines)
+	for _, eng := range engines {
+		info := hbs[eng]
+		re, ok := w.remotes[eng]
+		if !ok {
+			w.startHandshakeLocked(eng, info.Host, info.Port, info.TPSize, "")
+			continue
+		}
+		msg := []byte("HB:" + strings.Join(info.ReqIDs, ","))
+		if err := w.agent.SendNotif(re.agent, msg); err != nil {
+			w.log.Debug("heartbeat send failed", zap.String("remote_engine_id", eng), zap.Error(err))
+		}
+	}
+}
+
+// GetFinished polls transfers and notifications, sweeps expired leases and
+// returns what finished since the last call.
+func (w *Worker) GetFinished() ([]byte, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.agent != nil {
+		w.pollTransfersLocked()
+		w.pollNotifsLocked()
+		w.sweepLeasesLocked()
+	}
+	f := w.done
+	w.done = Finished{}
+	if f.Sending == nil {
+		f.Sending = []string{}
+	}
+	if f.Recving == nil {
+		f.Recving = []string{}
+	}
+	if f.Failed == nil {
+		f.Failed = []string{}
+	}
+	b, err := json.Marshal(f)
+	if err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+func (w *Worker) pollTransfersLocked() {
+	now := w.clock()
+	ids := make([]string, 0, len(w.recv))
+	for id := range w.recv {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	for _, id := range ids {
+		st := w.recv[id]
+		if st.waiting {
+			continue
+		}
+		kept := st.xfers[:0]
+		for _, f := range st.xfers {
+			status, err := f.x.Check()
+			switch {
+			case err == nil && status == nixl.Success:
+				if t, ts := f.x.Telemetry(); ts == nixl.Success {
+					w.stats.RecordTransfer(t.XferDur.Seconds(), t.PostDur.Seconds(), t.Bytes, t.DescCount)
+				}
+				if rerr := f.x.Release(); rerr != nil {
+					w.logFailure("transfer_release_failed", st, "", rerr)
+				}
+			case err == nil && status == nixl.InProgress:
+				if now >= f.deadline {
+					// Bounded wait: cancel. If the engine cannot cancel, the
+					// blocks stay ours until it can (no silent reuse).
+					if rerr := f.x.Release(); rerr != nil {
+						kept = append(kept, f)
+						continue
+					}
+					w.stats.RecordFailedTransfer()
+					w.failLocked(st, "transfer_failed", fmt.Sprintf("READ still in flight after transfer_timeout=%gs", w.cfg.TransferTimeout), nil)
+					continue
+				}
+				kept = append(kept, f)
+			default:
+				if err == nil {
+					err = fmt.Errorf("transfer status %v", status)
+				}
+				w.stats.RecordFailedTransfer()
+				w.failLocked(st, "transfer_failed", "", err)
+				if rerr := f.x.Release(); rerr != nil {
+					kept = append(kept, f)
+				}
+				if re, ok := w.remotes[st.meta.Remote.EngineID]; ok {
+					w.dropRemoteOnDisconnect(re, err)
+				}
+			}
+		}
+		st.xfers = kept
+		if len(st.xfers) > 0 {
+			continue
+		}
+		delete(w.recv, id)
+		if !st.report {
+			continue // notify-only: vLLM does not wait for it
+		}
+		w.done.Recving = append(w.done.Recving, id)
+		if st.failed {
+			w.done.Failed = append(w.done.Failed, id)
+			if len(st.meta.LocalBlockIDs) > 0 {
+				for _, b := range st.meta.LocalBlockIDs[0] {
+					w.invalid[b] = struct{}{}
+				}
+			}
+		}
+	}
+}
+
+func (w *Worker) pollNotifsLocked() {
+	notifs, err := w.agent.GetNotifs()
+	if err != nil {
+		w.log.Warn("draining notifications failed", zap.Error(err))
+		return
+	}
+	for _, n := range notifs {
+		msg := string(n.Msg)
+		if ids, ok := strings.CutPrefix(msg, "HB:"); ok {
+			exp := w.clock() + w.leaseExtend
+			for _, id := range strings.Split(ids, ",") {
+				if old, ok := w.toSend[id]; ok && exp > old {
+					w.toSend[id] = exp
+				}
+			}
+			continue
+		}
+		i := strings.LastIndexByte(msg, ':')
+		if i < 0 {
+			w.log.Warn("malformed notification", zap.String("from", n.Agent), zap.String("msg", msg))
+			continue
+		}
+		id := msg[:i]
+		want, err := strconv.Atoi(msg[i+1:])
+		if err != nil || want <= 0 {
+			w.log.Warn("malformed notification", zap.String("from", n.Agent), zap.String("msg", msg))
+			continue
+		}
+		_, sending := w.toSend[id]
+		_, processing := w.toProcess[id]
+		if !sending && !processing {
+			w.stats.RecordNotifAfterExpiry()
+			w.log.Error("Potentially invalid KV blocks for unrecognized request were retrieved by a decode worker. They may have expired.",
+				zap.String("req_id", id))
+			continue
+		}
+		w.consumers[id]++
+		if w.consumers[id] >= want {
+			delete(w.consumers, id)
+			delete(w.toProcess, id)
+			delete(w.toSend, id)
+			w.done.Sending = append(w.done.Sending, id)
+		}
+	}
+}
+
+// sweepLeasesLocked frees every expired lease: a full sweep, since
+// heartbeats extend deadlines in place and the table is not ordered.
+func (w *Worker) sweepLeasesLocked() {
+	now := w.clock()
+	for id, exp := range w.toSend {
+		if now < exp {
+			continue
+		}
+		n := w.consumers[id]
+		delete(w.consumers, id)
+		delete(w.toSend, id)
+		delete(w.toProcess, id)
+		w.stats.RecordKVExpired()
+		w.log.Warn("Releasing expired KV blocks", zap.String("req_id", id), zap.Int("read_by_workers", n))
+		w.done.Sending = append(w.done.Sending, id)
+	}
+}
+
+// LoadErrors returns (and clears) the local block ids whose load failed.
+func (w *Worker) LoadErrors() []int64 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	out := make([]int64, 0, len(w.invalid))
+	for b := range w.invalid {
+		out = append(out, b)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
+	w.invalid = map[int64]struct{}{}
+	return out
+}
+
+// Stats returns the stats accumulated since the last call as JSON, or nil.
+func (w *Worker) Stats() []byte { return w.stats.Take() }
+
+// MetricsText renders gonixl's own Prometheus registry.
+func (w *Worker) MetricsText() ([]byte, error) { return w.prom.Text() }
+
+// Close releases transfers, remote agents and the agent. Idempotent.
+func (w *Worker) Close() error {
+	w.mu.Lock()
+	if w.closed {
+		w.mu.Unlock()
+		return nil
+	}
+	w.closed = true
+	hs := w.hs
+	var errs []error
+	for _, st := range w.recv {
+		for _, f := range st.xfers {
+			_ = f.x.Release()
+		}
+	}
+	for _, re := range w.remotes {
+		_ = re.list.Release()
+	}
+	if w.localList != nil {
+		_ = w.localList.Release()
+	}
+	if w.agent != nil {
+		if err := w.agent.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	w.mu.Unlock()
+	if hs != nil {
+		hs.Close()
+	}
+	return errors.Join(errs...)
+}
