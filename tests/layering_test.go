@@ -34,7 +34,7 @@ type rule struct {
 
 var (
 	logging = []string{"go.uber.org/zap"}
-	metrics = []string{"github.com/prometheus/client_golang"}
+	metrics = []string{"github.com/prometheus/client_golang", "github.com/prometheus/common"}
 )
 
 // rules follow ../shared/design/architecture.md ("Layers and allowed
