@@ -92,7 +92,7 @@ func (e Engine) NewAgent(cfg nixl.AgentConfig) (nixl.Agent, error) {
 	if cfg.Telemetry {
 		tel = 1
 	}
-	if s := C.gx_agent_new(cname, C.int(prog), 0, C.int(tel), 0, &h); s != 0 {
+	if s := C.gxnixl_agent_new(cname, C.int(prog), 0, C.int(tel), 0, &h); s != 0 {
 		return nil, statusErr("NewAgent", s, "creating agent %q", cfg.Name)
 	}
 	a := &agent{h: h, name: cfg.Name, cfg: cfg, lists: map[*descList]struct{}{}, xfers: map[*xfer]struct{}{}}
@@ -100,7 +100,7 @@ func (e Engine) NewAgent(cfg nixl.AgentConfig) (nixl.Agent, error) {
 		a.Close()
 		return nil, err
 	}
-	if s := C.gx_notif_map_new(&a.nmap); s != 0 {
+	if s := C.gxnixl_notif_map_new(&a.nmap); s != 0 {
 		return fail(statusErr("NewAgent", s, "creating notification map"))
 	}
 	plugins, err := a.plugins()
@@ -196,10 +196,10 @@ func (a *agent) check(op string) error {
 func (a *agent) plugins() ([]string, error) {
 	var buf *C.char
 	var n C.size_t
-	if s := C.gx_plugins(a.h, &buf, &n); s != 0 {
+	if s := C.gxnixl_plugins(a.h, &buf, &n); s != 0 {
 		return nil, statusErr("NewAgent", s, "listing plugins")
 	}
-	defer C.gx_free(unsafe.Pointer(buf))
+	defer C.gxnixl_free(unsafe.Pointer(buf))
 	out := strings.Fields(C.GoStringN(buf, C.int(n)))
 	sort.Strings(out)
 	return out, nil
@@ -225,7 +225,7 @@ func (a *agent) createBackend(name string, params map[string]string) error {
 	}()
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))
-	if s := C.gx_backend_new(a.h, cname, &ck[0], &ck[n], C.size_t(n)); s != 0 {
+	if s := C.gxnixl_backend_new(a.h, cname, &ck[0], &ck[n], C.size_t(n)); s != 0 {
 		return statusErr("NewAgent", s, "creating backend %s with %v", name, params)
 	}
 	return nil
@@ -249,7 +249,7 @@ func (a *agent) regMem(op string, mem nixl.MemType, regions []nixl.Region, dereg
 	if len(regions) == 0 {
 		return nixl.Errorf(nixl.ErrInvalidParam, op, "no regions")
 	}
-	s := C.gx_register(a.h, C.int(mem), descPtr(regions), C.size_t(len(regions)), C.int(dereg))
+	s := C.gxnixl_register(a.h, C.int(mem), descPtr(regions), C.size_t(len(regions)), C.int(dereg))
 	runtime.KeepAlive(regions)
 	if s != 0 {
 		return statusErr(op, s, "%d %v regions", len(regions), mem)
@@ -273,10 +273,10 @@ func (a *agent) LocalMetadata() ([]byte, error) {
 	}
 	var p unsafe.Pointer
 	var n C.size_t
-	if s := C.gx_local_md(a.h, &p, &n); s != 0 {
+	if s := C.gxnixl_local_md(a.h, &p, &n); s != 0 {
 		return nil, statusErr("LocalMetadata", s, "")
 	}
-	defer C.gx_free(p)
+	defer C.gxnixl_free(p)
 	return C.GoBytes(p, C.int(n)), nil
 }
 
@@ -290,12 +290,12 @@ func (a *agent) LoadRemoteMetadata(md []byte) (string, error) {
 		return "", nixl.Errorf(nixl.ErrInvalidParam, "LoadRemoteMetadata", "empty metadata")
 	}
 	var name *C.char
-	s := C.gx_load_md(a.h, unsafe.Pointer(&md[0]), C.size_t(len(md)), &name)
+	s := C.gxnixl_load_md(a.h, unsafe.Pointer(&md[0]), C.size_t(len(md)), &name)
 	runtime.KeepAlive(md)
 	if s != 0 {
 		return "", statusErr("LoadRemoteMetadata", s, "%d bytes of metadata rejected", len(md))
 	}
-	defer C.gx_free(unsafe.Pointer(name))
+	defer C.gxnixl_free(unsafe.Pointer(name))
 	return C.GoString(name), nil
 }
 
@@ -307,7 +307,7 @@ func (a *agent) InvalidateRemote(name string) error {
 	}
 	cn := C.CString(name)
 	defer C.free(unsafe.Pointer(cn))
-	if s := C.gx_invalidate(a.h, cn); s != 0 {
+	if s := C.gxnixl_invalidate(a.h, cn); s != 0 {
 		return statusErr("InvalidateRemote", s, "agent %q", name)
 	}
 	return nil
@@ -322,7 +322,7 @@ func (a *agent) PrepDescList(remote string, mem nixl.MemType, descs []nixl.Desc)
 	cn := C.CString(remote)
 	defer C.free(unsafe.Pointer(cn))
 	var h unsafe.Pointer
-	s := C.gx_prep(a.h, cn, C.int(mem), descPtr(descs), C.size_t(len(descs)), &h)
+	s := C.gxnixl_prep(a.h, cn, C.int(mem), descPtr(descs), C.size_t(len(descs)), &h)
 	runtime.KeepAlive(descs)
 	if s != 0 {
 		who := "local"
@@ -366,7 +366,7 @@ func (l *descList) Release() error {
 	}
 	l.released = true
 	delete(a.lists, l)
-	if s := C.gx_release_dlist(a.h, l.h); s != 0 {
+	if s := C.gxnixl_release_dlist(a.h, l.h); s != 0 {
 		return statusErr("DescList.Release", s, "")
 	}
 	return nil
@@ -418,7 +418,7 @@ func (a *agent) MakeXfer(op nixl.XferOp, local nixl.DescList, localIdx []int32, 
 		has = 1
 	}
 	var h unsafe.Pointer
-	s := C.gx_make(a.h, C.int(op), ll.h, (*C.int32_t)(unsafe.Pointer(&localIdx[0])), rl.h,
+	s := C.gxnixl_make(a.h, C.int(op), ll.h, (*C.int32_t)(unsafe.Pointer(&localIdx[0])), rl.h,
 		(*C.int32_t)(unsafe.Pointer(&remoteIdx[0])), C.size_t(len(localIdx)), np, C.size_t(len(notif)), C.int(has), &h)
 	runtime.KeepAlive(localIdx)
 	runtime.KeepAlive(remoteIdx)
@@ -464,7 +464,7 @@ func (x *xfer) Post() (nixl.Status, error) {
 	if err := x.stale("Post"); err != nil {
 		return nixl.ErrInvalidParam, err
 	}
-	return x.result("Post", C.gx_post(a.h, x.h))
+	return x.result("Post", C.gxnixl_post(a.h, x.h))
 }
 
 func (x *xfer) Check() (nixl.Status, error) {
@@ -474,7 +474,7 @@ func (x *xfer) Check() (nixl.Status, error) {
 	if err := x.stale("Check"); err != nil {
 		return nixl.ErrInvalidParam, err
 	}
-	return x.result("Check", C.gx_check(a.h, x.h))
+	return x.result("Check", C.gxnixl_check(a.h, x.h))
 }
 
 func (x *xfer) Telemetry() (nixl.Telemetry, nixl.Status) {
@@ -485,7 +485,7 @@ func (x *xfer) Telemetry() (nixl.Telemetry, nixl.Status) {
 		return nixl.Telemetry{}, nixl.ErrInvalidParam
 	}
 	var out [6]C.uint64_t
-	s := nixl.Status(C.gx_telemetry(a.h, x.h, &out[0]))
+	s := nixl.Status(C.gxnixl_telemetry(a.h, x.h, &out[0]))
 	if s != nixl.Success {
 		return nixl.Telemetry{}, s
 	}
@@ -512,7 +512,7 @@ func (x *xfer) Release() error {
 		x.released = true // freed with the agent
 		return nil
 	}
-	if s := C.gx_release_xfer(a.h, x.h); s != 0 {
+	if s := C.gxnixl_release_xfer(a.h, x.h); s != 0 {
 		return statusErr("Xfer.Release", s, "%v with agent %q", x.op, x.remote)
 	}
 	x.released = true
@@ -532,7 +532,7 @@ func (a *agent) SendNotif(remote string, msg []byte) error {
 	if len(msg) > 0 {
 		p = unsafe.Pointer(&msg[0])
 	}
-	s := C.gx_gen_notif(a.h, cn, p, C.size_t(len(msg)))
+	s := C.gxnixl_gen_notif(a.h, cn, p, C.size_t(len(msg)))
 	runtime.KeepAlive(msg)
 	if s != 0 {
 		if nixl.Status(s) != nixl.ErrNotFound && nixl.Status(s) != nixl.ErrInvalidParam {
@@ -551,17 +551,17 @@ func (a *agent) GetNotifs() ([]nixl.Notif, error) {
 	}
 	var buf unsafe.Pointer
 	var n, count C.size_t
-	if s := C.gx_get_notifs(a.h, a.nmap, &buf, &n, &count); s != 0 {
+	if s := C.gxnixl_get_notifs(a.h, a.nmap, &buf, &n, &count); s != 0 {
 		return nil, statusErr("GetNotifs", s, "")
 	}
 	if count == 0 {
 		return nil, nil
 	}
-	defer C.gx_free(buf)
+	defer C.gxnixl_free(buf)
 	return parseNotifs(C.GoBytes(buf, C.int(n)), int(count))
 }
 
-// parseNotifs decodes gx_get_notifs's records.
+// parseNotifs decodes gxnixl_get_notifs's records.
 func parseNotifs(b []byte, count int) ([]nixl.Notif, error) {
 	out := make([]nixl.Notif, 0, count)
 	r := bytes.NewReader(b)
@@ -600,15 +600,15 @@ func (a *agent) Close() error {
 		return nil
 	}
 	for x := range a.xfers {
-		_ = C.gx_release_xfer(a.h, x.h) // NIXL frees what is left with the agent
+		_ = C.gxnixl_release_xfer(a.h, x.h) // NIXL frees what is left with the agent
 		x.released = true
 	}
 	for l := range a.lists {
-		_ = C.gx_release_dlist(a.h, l.h)
+		_ = C.gxnixl_release_dlist(a.h, l.h)
 		l.released = true
 	}
 	a.xfers, a.lists = nil, nil
-	C.gx_notif_map_free(a.nmap)
+	C.gxnixl_notif_map_free(a.nmap)
 	a.nmap = nil
 	if a.tainted {
 		leakMu.Lock()
@@ -618,7 +618,7 @@ func (a *agent) Close() error {
 		a.closed = true
 		return nil
 	}
-	s := C.gx_agent_free(a.h)
+	s := C.gxnixl_agent_free(a.h)
 	a.h = nil
 	a.closed = true
 	if s != 0 {

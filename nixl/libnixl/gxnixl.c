@@ -143,7 +143,7 @@ static int capi_to_nixl(int s) {
 		*(void **)(&api.field) = dlsym(api.lib, name);     \
 	} while (0)
 
-int gx_load(const char *path, char *err, size_t errlen) {
+int gxnixl_load(const char *path, char *err, size_t errlen) {
 	if (api.lib) return 0;
 	dlerror();
 	api.lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -214,9 +214,9 @@ fail:
 	return -1;
 }
 
-int gx_have_direct_status(void) { return api.agent_post != NULL; }
+int gxnixl_have_direct_status(void) { return api.agent_post != NULL; }
 
-int gx_agent_new(const char *name, int prog_thread, int sync_mode, int telemetry,
+int gxnixl_agent_new(const char *name, int prog_thread, int sync_mode, int telemetry,
                  uint64_t pthr_delay_us, void **out) {
 	struct capi_agent_config cfg = {0};
 	cfg.enable_prog_thread = prog_thread != 0;
@@ -230,9 +230,9 @@ int gx_agent_new(const char *name, int prog_thread, int sync_mode, int telemetry
 	return capi_to_nixl(api.create_configured_agent(name, &cfg, out));
 }
 
-int gx_agent_free(void *agent) { return capi_to_nixl(api.destroy_agent(agent)); }
+int gxnixl_agent_free(void *agent) { return capi_to_nixl(api.destroy_agent(agent)); }
 
-int gx_plugins(void *agent, char **out, size_t *len) {
+int gxnixl_plugins(void *agent, char **out, size_t *len) {
 	h_t list = NULL;
 	int s = api.get_available_plugins(agent, &list);
 	if (s != CAPI_OK) return capi_to_nixl(s);
@@ -263,7 +263,7 @@ int gx_plugins(void *agent, char **out, size_t *len) {
 	return NX_SUCCESS;
 }
 
-int gx_backend_new(void *agent, const char *name, const char **keys,
+int gxnixl_backend_new(void *agent, const char *name, const char **keys,
                    const char **vals, size_t n) {
 	h_t params = NULL, backend = NULL;
 	int s = api.create_params(&params);
@@ -279,7 +279,7 @@ out:
 	return capi_to_nixl(s);
 }
 
-int gx_register(void *agent, int mem, const uint64_t *descs, size_t n, int dereg) {
+int gxnixl_register(void *agent, int mem, const uint64_t *descs, size_t n, int dereg) {
 	h_t list = NULL;
 	int s = api.create_reg_dlist(mem, &list);
 	if (s != CAPI_OK) return capi_to_nixl(s);
@@ -294,22 +294,22 @@ out:
 	return capi_to_nixl(s);
 }
 
-int gx_local_md(void *agent, void **data, size_t *len) {
+int gxnixl_local_md(void *agent, void **data, size_t *len) {
 	*data = NULL;
 	*len = 0;
 	return capi_to_nixl(api.get_local_md(agent, data, len));
 }
 
-int gx_load_md(void *agent, const void *data, size_t len, char **name) {
+int gxnixl_load_md(void *agent, const void *data, size_t len, char **name) {
 	*name = NULL;
 	return capi_to_nixl(api.load_remote_md(agent, data, len, name));
 }
 
-int gx_invalidate(void *agent, const char *name) {
+int gxnixl_invalidate(void *agent, const char *name) {
 	return capi_to_nixl(api.invalidate_remote_md(agent, name));
 }
 
-int gx_prep(void *agent, const char *remote, int mem, const uint64_t *descs,
+int gxnixl_prep(void *agent, const char *remote, int mem, const uint64_t *descs,
             size_t n, void **out) {
 	h_t list = NULL;
 	*out = NULL;
@@ -326,11 +326,11 @@ out:
 	return capi_to_nixl(s);
 }
 
-int gx_release_dlist(void *agent, void *dlist) {
+int gxnixl_release_dlist(void *agent, void *dlist) {
 	return capi_to_nixl(api.release_xfer_dlist_handle(agent, dlist));
 }
 
-int gx_make(void *agent, int op, void *local, const int32_t *li, void *remote,
+int gxnixl_make(void *agent, int op, void *local, const int32_t *li, void *remote,
             const int32_t *ri, size_t n, const void *notif, size_t notif_len,
             int has_notif, void **out) {
 	h_t opt = NULL;
@@ -349,17 +349,17 @@ out:
 	return capi_to_nixl(s);
 }
 
-int gx_post(void *agent, void *req) {
+int gxnixl_post(void *agent, void *req) {
 	if (api.agent_post) return api.agent_post(inner(agent), inner(req), NULL);
 	return capi_to_nixl(api.post_xfer_req(agent, req, NULL));
 }
 
-int gx_check(void *agent, void *req) {
+int gxnixl_check(void *agent, void *req) {
 	if (api.agent_status) return api.agent_status(inner(agent), inner(req));
 	return capi_to_nixl(api.get_xfer_status(agent, req));
 }
 
-int gx_telemetry(void *agent, void *req, uint64_t out[6]) {
+int gxnixl_telemetry(void *agent, void *req, uint64_t out[6]) {
 	struct capi_telemetry t = {0};
 	int s = api.get_xfer_telemetry(agent, req, &t);
 	struct timespec ts;
@@ -373,7 +373,7 @@ int gx_telemetry(void *agent, void *req, uint64_t out[6]) {
 	return capi_to_nixl(s);
 }
 
-int gx_release_xfer(void *agent, void *req) {
+int gxnixl_release_xfer(void *agent, void *req) {
 	int s;
 	if (api.agent_release) {
 		s = api.agent_release(inner(agent), inner(req));
@@ -386,17 +386,17 @@ int gx_release_xfer(void *agent, void *req) {
 	return capi_to_nixl(api.destroy_xfer_req(req));
 }
 
-int gx_gen_notif(void *agent, const char *remote, const void *msg, size_t len) {
+int gxnixl_gen_notif(void *agent, const char *remote, const void *msg, size_t len) {
 	return capi_to_nixl(api.gen_notif(agent, remote, len ? msg : "", len, NULL));
 }
 
-int gx_notif_map_new(void **out) { return capi_to_nixl(api.create_notif_map(out)); }
+int gxnixl_notif_map_new(void **out) { return capi_to_nixl(api.create_notif_map(out)); }
 
-void gx_notif_map_free(void *map) {
+void gxnixl_notif_map_free(void *map) {
 	if (map) api.destroy_notif_map(map);
 }
 
-int gx_get_notifs(void *agent, void *map, void **buf, size_t *len, size_t *count) {
+int gxnixl_get_notifs(void *agent, void *map, void **buf, size_t *len, size_t *count) {
 	*buf = NULL;
 	*len = 0;
 	*count = 0;
@@ -447,4 +447,4 @@ int gx_get_notifs(void *agent, void *map, void **buf, size_t *len, size_t *count
 	return NX_SUCCESS;
 }
 
-void gx_free(void *p) { free(p); }
+void gxnixl_free(void *p) { free(p); }

@@ -2,7 +2,7 @@
 // (libnixl_capi.so) that gonixl uses, resolved at run time with dlopen, plus
 // bulk helpers so that each Go operation crosses cgo once.
 //
-// Every gx_* function returns a status in NIXL's own nixl_status_t space
+// Every gxnixl_* function returns a status in NIXL's own nixl_status_t space
 // (0 success, 1 in progress, negative errors, same numbers as NIXL).
 #ifndef GONIXL_GXNIXL_H
 #define GONIXL_GXNIXL_H
@@ -12,46 +12,46 @@
 
 // Load libnixl_capi.so from path and resolve every symbol gonixl needs.
 // On failure returns -1 and writes a message (dlerror text) into err.
-int gx_load(const char *path, char *err, size_t errlen);
+int gxnixl_load(const char *path, char *err, size_t errlen);
 // 1 when NIXL's agent methods for post/status/release were found, so their
 // statuses come back unmapped (the C API folds most errors into BACKEND).
-int gx_have_direct_status(void);
+int gxnixl_have_direct_status(void);
 
-int gx_agent_new(const char *name, int prog_thread, int sync_mode, int telemetry,
+int gxnixl_agent_new(const char *name, int prog_thread, int sync_mode, int telemetry,
                  uint64_t pthr_delay_us, void **out);
-int gx_agent_free(void *agent);
-// Available plugin names, '\n'-separated, malloc'ed (free with gx_free).
-int gx_plugins(void *agent, char **out, size_t *len);
-int gx_backend_new(void *agent, const char *name, const char **keys,
+int gxnixl_agent_free(void *agent);
+// Available plugin names, '\n'-separated, malloc'ed (free with gxnixl_free).
+int gxnixl_plugins(void *agent, char **out, size_t *len);
+int gxnixl_backend_new(void *agent, const char *name, const char **keys,
                    const char **vals, size_t n);
 
 // descs points at n {addr, len, devId} triples.
-int gx_register(void *agent, int mem, const uint64_t *descs, size_t n, int dereg);
-int gx_local_md(void *agent, void **data, size_t *len);
-int gx_load_md(void *agent, const void *data, size_t len, char **name);
-int gx_invalidate(void *agent, const char *name);
+int gxnixl_register(void *agent, int mem, const uint64_t *descs, size_t n, int dereg);
+int gxnixl_local_md(void *agent, void **data, size_t *len);
+int gxnixl_load_md(void *agent, const void *data, size_t len, char **name);
+int gxnixl_invalidate(void *agent, const char *name);
 
-int gx_prep(void *agent, const char *remote, int mem, const uint64_t *descs,
+int gxnixl_prep(void *agent, const char *remote, int mem, const uint64_t *descs,
             size_t n, void **out);
-int gx_release_dlist(void *agent, void *dlist);
+int gxnixl_release_dlist(void *agent, void *dlist);
 
-int gx_make(void *agent, int op, void *local, const int32_t *li, void *remote,
+int gxnixl_make(void *agent, int op, void *local, const int32_t *li, void *remote,
             const int32_t *ri, size_t n, const void *notif, size_t notif_len,
             int has_notif, void **out);
-int gx_post(void *agent, void *req);
-int gx_check(void *agent, void *req);
+int gxnixl_post(void *agent, void *req);
+int gxnixl_check(void *agent, void *req);
 // out: start (µs, steady clock), post µs, xfer µs, bytes, descs, and the
 // steady clock's now (µs) to place start on the wall clock.
-int gx_telemetry(void *agent, void *req, uint64_t out[6]);
-int gx_release_xfer(void *agent, void *req);
+int gxnixl_telemetry(void *agent, void *req, uint64_t out[6]);
+int gxnixl_release_xfer(void *agent, void *req);
 
-int gx_gen_notif(void *agent, const char *remote, const void *msg, size_t len);
+int gxnixl_gen_notif(void *agent, const char *remote, const void *msg, size_t len);
 // Drains notifications into one malloc'ed buffer of records
 // [u32 agent_len][agent][u32 msg_len][msg]...; *count records.
-int gx_get_notifs(void *agent, void *map, void **buf, size_t *len, size_t *count);
-int gx_notif_map_new(void **out);
-void gx_notif_map_free(void *map);
+int gxnixl_get_notifs(void *agent, void *map, void **buf, size_t *len, size_t *count);
+int gxnixl_notif_map_new(void **out);
+void gxnixl_notif_map_free(void *map);
 
-void gx_free(void *p);
+void gxnixl_free(void *p);
 
 #endif

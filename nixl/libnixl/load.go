@@ -91,11 +91,11 @@ func load() error {
 			undo := prepareEnv(p)
 			cp := C.CString(p)
 			var buf [1024]C.char
-			rc := C.gx_load(cp, &buf[0], C.size_t(len(buf)))
+			rc := C.gxnixl_load(cp, &buf[0], C.size_t(len(buf)))
 			C.free(unsafe.Pointer(cp))
 			if rc == 0 {
 				loadedLib = p
-				direct = C.gx_have_direct_status() != 0
+				direct = C.gxnixl_have_direct_status() != 0
 				return
 			}
 			undo()

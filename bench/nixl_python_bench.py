@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""The NIXL-Python side of `gonixl-bench transfer`.
+
+Runs the same transfers as the Go benchmark through NIXL's own Python API
+(nixl._api.nixl_agent, or nixl_cuXX._api to match the flavour Go loaded):
+two processes (this one initiates, a spawned child is the target), one
+region of --cap bytes per side, for every (op, block size, batch size) the
+same index arrays as the Go side, and per iteration the steps vLLM's
+NixlConnector takes: make_prepped_xfer (with a notification), transfer,
+check_xfer_state until DONE, release_xfer_handle. Prints one JSON object
+per line; the Go command joins them with its own results.
+
+Usage (normally started by gonixl-bench):
+  nixl_python_bench.py --module nixl_cu12 --ops read,write \
+      --block-sizes 4096,65536 --batch-sizes 1,256 --cap 268435456 \
+      --max-batch-bytes 1073741824 --min-time 0.2 --min-iters 3 --max-iters 1000 \
+      --pattern scattered --progress-thread 1
+"""
+
+import argparse
+import importlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import numpy as np
+
+PRIME = 7919  # index stride for the scattered pattern; must match transfer.go
+
+
+def indices(pattern, batch, slots, side):
+    """Descriptor indices, identical to transfer.go's benchIndices."""
+    i = np.arange(batch, dtype=np.int64)
+    if pattern == "contiguous":
+        return (i % slots).astype(np.int32)
+    off = 0 if side == "local" else 1
+    return ((i * PRIME + off) % slots).astype(np.int32)
+
+
+def load_api(module):
+    return importlib.import_module(module + "._api")
+
+
+def target(conn, module, cap, progress):
+    api = load_api(module)
+    cfg = api.nixl_agent_config(enable_prog_thread=progress, backends=["UCX"])
+    agent = api.nixl_agent("py-bench-target-%d" % os.getpid(), cfg)
+    buf = np.ones(cap, dtype=np.uint8)
+    reg = agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"))
+    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
+    while True:
+        if conn.poll(0.001):
+            conn.recv()
+            break
+        agent.get_new_notifs()
+    agent.deregister_memory(reg)
+    conn.send("bye")
+
+
+def run(args):
+    api = load_api(args.module)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, args.module, args.cap, bool(args.progress_thread)))
+    proc.start()
+    try:
+        md, remote_base = parent.recv()
+        cfg = api.nixl_agent_config(enable_prog_thread=bool(args.progress_thread), backends=["UCX"],
+                                    capture_telemetry=True)
+        agent = api.nixl_agent("py-bench-init-%d" % os.getpid(), cfg)
+        buf = np.zeros(args.cap, dtype=np.uint8)
+        reg = agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"))
+        remote = agent.add_remote_agent(md)
+        print(json.dumps({"info": {"module": args.module, "api_file": api.__file__}}), flush=True)
+        for op in args.ops.split(","):
+            opname = op.upper()
+            for bs in [int(x) for x in args.block_sizes.split(",")]:
+                slots = max(1, args.cap // bs)
+                ldescs = np.array([[buf.ctypes.data + s * bs, bs, 0] for s in range(slots)], dtype=np.uint64)
+                rdescs = np.array([[remote_base + s * bs, bs, 0] for s in range(slots)], dtype=np.uint64)
+                lh = agent.prep_xfer_dlist("", agent.get_xfer_descs(ldescs, "DRAM"))
+                rh = agent.prep_xfer_dlist(remote, agent.get_xfer_descs(rdescs, "DRAM"))
+                for batch in [int(x) for x in args.batch_sizes.split(",")]:
+                    if bs * batch > args.max_batch_bytes:
+                        continue
+                    li = indices(args.pattern, batch, slots, "local")
+                    ri = indices(args.pattern, batch, slots, "remote")
+                    makes, posts, xfers, rels = [], [], [], []
+                    start = time.perf_counter()
+                    it = 0
+                    while it < args.max_iters and (it < args.min_iters or time.perf_counter() - start < args.min_time):
+                        t0 = time.perf_counter_ns()
+                        h = agent.make_prepped_xfer(opname, lh, li, rh, ri, b"bench:%d" % it)
+                        t1 = time.perf_counter_ns()
+                        st = agent.transfer(h)
+                        t2 = time.perf_counter_ns()
+                        while st == "PROC":
+                            st = agent.check_xfer_state(h)
+                        t3 = time.perf_counter_ns()
+                        if st != "DONE":
+                            raise RuntimeError("transfer ended in %s" % st)
+                        agent.release_xfer_handle(h)
+                        t4 = time.perf_counter_ns()
+                        makes.append(t1 - t0)
+                        posts.append(t2 - t1)
+                        xfers.append(t3 - t1)
+                        rels.append(t4 - t3)
+                        it += 1
+                    print(json.dumps({"op": op, "block": bs, "batch": batch, "iters": it,
+                                      "make_ns": makes, "post_ns": posts, "xfer_ns": xfers, "release_ns": rels}),
+                          flush=True)
+                agent.release_dlist_handle(lh)
+                agent.release_dlist_handle(rh)
+        agent.deregister_memory(reg)
+        agent.remove_remote_agent(remote)
+    finally:
+        parent.send("stop")
+        try:
+            parent.recv()
+        except EOFError:
+            pass
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--module", default="nixl", help="package whose _api to use: nixl, nixl_cu12 or nixl_cu13")
+    p.add_argument("--ops", default="read,write")
+    p.add_argument("--block-sizes", default="4096,65536,1048576")
+    p.add_argument("--batch-sizes", default="1,256,4096")
+    p.add_argument("--cap", type=int, default=256 << 20)
+    p.add_argument("--max-batch-bytes", type=int, default=1 << 30)
+    p.add_argument("--min-time", type=float, default=0.2)
+    p.add_argument("--min-iters", type=int, default=3)
+    p.add_argument("--max-iters", type=int, default=1000)
+    p.add_argument("--pattern", choices=["scattered", "contiguous"], default="scattered")
+    p.add_argument("--progress-thread", type=int, default=1)
+    args = p.parse_args()
+    run(args)
+    # Leave without interpreter finalisation: tearing the nixl_agent down at
+    # exit has crashed (SIGSEGV) on this host after all results were out.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,790 @@
+package main
+
+// gonixl-bench transfer: transfer-engine throughput and latency, and, in the
+// same run, the same transfers through NIXL's own Python API
+// (bench/nixl_python_bench.py) so that the ratio gonixl/NIXL-Python is
+// printed. See docs/BENCHMARKS-transfer.md.
+//
+// Two processes per side of the comparison: this process initiates, a
+// re-executed copy of it ("-role target") registers the remote region and
+// keeps draining notifications, as a prefill worker does. Every iteration
+// takes vLLM's steps: MakeXfer (with a notification), Post, Check until
+// done, Release.
+
+import (
+	"bufio"
+	"encoding/gob"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"runtime"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/gonixl/gonixl/nixl"
+	_ "github.com/gonixl/gonixl/nixl/libnixl" // engine "nixl"
+	_ "github.com/gonixl/gonixl/nixl/ucx"     // engine "ucx"
+)
+
+func init() {
+	register("transfer", "transfer-engine throughput/latency, gonixl vs NIXL's Python API", runTransfer)
+}
+
+// benchPrime is the index stride of the scattered pattern; it must match
+// bench/nixl_python_bench.py.
+const benchPrime = 7919
+
+type transferOpts struct {
+	engine        string
+	ops           []nixl.XferOp
+	blocks        []int
+	batches       []int
+	capBytes      int
+	maxBatchBytes int
+	minTime       time.Duration
+	minIters      int
+	maxIters      int
+	pattern       string
+	progress      bool
+	python        string
+	script        string
+	memIters      int
+	memBatch      int
+	overheadDescs int
+	jsonOut       string
+	role          string
+}
+
+func parseSizes(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		mult := 1
+		u := strings.ToUpper(f)
+		for _, suf := range []struct {
+			s string
+			m int
+		}{{"KIB", 1 << 10}, {"MIB", 1 << 20}, {"GIB", 1 << 30}, {"K", 1 << 10}, {"M", 1 << 20}, {"G", 1 << 30}} {
+			if strings.HasSuffix(u, suf.s) {
+				mult, u = suf.m, strings.TrimSuffix(u, suf.s)
+				break
+			}
+		}
+		n, err := strconv.Atoi(u)
+		if err != nil || n <= 0 {
+			return nil, fmt.Errorf("bad size %q", f)
+		}
+		out = append(out, n*mult)
+	}
+	if len(out) == 0 {
+		return nil, errors.New("empty size list")
+	}
+	return out, nil
+}
+
+func parseTransferFlags(args []string, stderr io.Writer) (*transferOpts, error) {
+	fs := flag.NewFlagSet("transfer", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	o := &transferOpts{}
+	var ops, blocks, batches, capS, maxB string
+	fs.StringVar(&o.engine, "engine", "nixl", "transfer engine: nixl (real NIXL), ucx (direct UCX), fake")
+	fs.StringVar(&ops, "ops", "read,write", "operations: read, write or both")
+	fs.StringVar(&blocks, "block-sizes", "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB", "block (descriptor) sizes")
+	fs.StringVar(&batches, "batch-sizes", "1,16,256,4096,16384", "descriptors per transfer")
+	fs.StringVar(&capS, "cap", "256MiB", "bytes registered per side; indices wrap when a batch needs more blocks")
+	fs.StringVar(&maxB, "max-batch-bytes", "1GiB", "skip (block, batch) pairs moving more than this per transfer")
+	fs.DurationVar(&o.minTime, "min-time", 300*time.Millisecond, "minimum time per (op, block, batch)")
+	fs.IntVar(&o.minIters, "min-iters", 5, "minimum iterations per (op, block, batch)")
+	fs.IntVar(&o.maxIters, "max-iters", 2000, "maximum iterations per (op, block, batch)")
+	fs.StringVar(&o.pattern, "pattern", "scattered", "index pattern: scattered (no merging) or contiguous (NIXL merges)")
+	fs.BoolVar(&o.progress, "progress-thread", true, "engine progress thread (vLLM runs NIXL with it)")
+	fs.StringVar(&o.python, "python", "", "python for the NIXL-Python run (default: the project's .venv); \"none\" skips it")
+	fs.StringVar(&o.script, "script", "", "path of bench/nixl_python_bench.py (default: found from the working directory)")
+	fs.IntVar(&o.memIters, "mem-iters", 10000, "transfers for the memory-growth check (0 skips)")
+	fs.IntVar(&o.memBatch, "mem-batch", 64, "descriptors per transfer in the memory-growth check")
+	fs.IntVar(&o.overheadDescs, "overhead-descs", 16384, "descriptors for the per-descriptor CPU cost (0 skips)")
+	fs.StringVar(&o.jsonOut, "json", "", "also write all results as JSON to this file")
+	fs.StringVar(&o.role, "role", "initiator", "internal: initiator or target")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	var err error
+	for _, s := range strings.Split(ops, ",") {
+		switch strings.ToLower(strings.TrimSpace(s)) {
+		case "read":
+			o.ops = append(o.ops, nixl.Read)
+		case "write":
+			o.ops = append(o.ops, nixl.Write)
+		default:
+			return nil, fmt.Errorf("-ops: unknown operation %q", s)
+		}
+	}
+	if o.blocks, err = parseSizes(blocks); err != nil {
+		return nil, fmt.Errorf("-block-sizes: %v", err)
+	}
+	if o.batches, err = parseSizes(batches); err != nil {
+		return nil, fmt.Errorf("-batch-sizes: %v", err)
+	}
+	c, err := parseSizes(capS)
+	if err != nil || len(c) != 1 {
+		return nil, fmt.Errorf("-cap: bad size %q", capS)
+	}
+	o.capBytes = c[0]
+	m, err := parseSizes(maxB)
+	if err != nil || len(m) != 1 {
+		return nil, fmt.Errorf("-max-batch-bytes: bad size %q", maxB)
+	}
+	o.maxBatchBytes = m[0]
+	if o.pattern != "scattered" && o.pattern != "contiguous" {
+		return nil, fmt.Errorf("-pattern: %q is neither scattered nor contiguous", o.pattern)
+	}
+	for _, b := range o.blocks {
+		if b > o.capBytes && o.role != "target" {
+			return nil, fmt.Errorf("block size %d exceeds -cap %d", b, o.capBytes)
+		}
+	}
+	if o.minIters < 1 || o.maxIters < o.minIters {
+		return nil, errors.New("need 1 <= -min-iters <= -max-iters")
+	}
+	return o, nil
+}
+
+// benchIndices returns a batch's descriptor indices over slots blocks: the
+// scattered pattern never puts two consecutive indices next to each other
+// (so NIXL cannot merge descriptors), the contiguous one always does.
+func benchIndices(pattern string, batch, slots int, remote bool) []int32 {
+	out := make([]int32, batch)
+	off := 0
+	if remote {
+		off = 1
+	}
+	for i := range out {
+		if pattern == "contiguous" {
+			out[i] = int32(i % slots)
+		} else {
+			out[i] = int32((i*benchPrime + off) % slots)
+		}
+	}
+	return out
+}
+
+// region is anonymous mmap-ed memory outside the Go heap.
+type region struct{ b []byte }
+
+func newRegion(n int) (*region, error) {
+	b, err := syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE|syscall.MAP_POPULATE)
+	if err != nil {
+		return nil, fmt.Errorf("mmap %d bytes: %w", n, err)
+	}
+	return &region{b: b}, nil
+}
+
+func (r *region) addr() uint64 { return uint64(reflect.ValueOf(r.b).Pointer()) }
+func (r *region) free()        { _ = syscall.Munmap(r.b) }
+
+func blockTable(base uint64, block, slots int) []nixl.Desc {
+	d := make([]nixl.Desc, slots)
+	for i := range d {
+		d[i] = nixl.Desc{Addr: base + uint64(i*block), Len: uint64(block)}
+	}
+	return d
+}
+
+// hello is the target's first message.
+type hello struct {
+	Err  string
+	Name string
+	MD   []byte
+	Base uint64
+}
+
+func newBenchAgent(o *transferOpts, role string) (nixl.Agent, nixl.Engine, error) {
+	e, err := nixl.Lookup(o.engine)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := e.Available(); err != nil {
+		return nil, nil, err
+	}
+	a, err := e.NewAgent(nixl.AgentConfig{
+		Name:           fmt.Sprintf("gonixl-bench-%s-%d", role, os.Getpid()),
+		Backends:       []string{"UCX"},
+		ProgressThread: o.progress,
+		Telemetry:      true,
+	})
+	return a, e, err
+}
+
+// runTarget is the passive side: register, publish metadata on stdout,
+// drain notifications until stdin closes.
+func runTarget(o *transferOpts, stdout io.Writer) error {
+	enc := gob.NewEncoder(stdout)
+	fail := func(err error) error { _ = enc.Encode(hello{Err: err.Error()}); return err }
+	a, _, err := newBenchAgent(o, "target")
+	if err != nil {
+		return fail(err)
+	}
+	defer a.Close()
+	r, err := newRegion(o.capBytes)
+	if err != nil {
+		return fail(err)
+	}
+	defer r.free()
+	regs := []nixl.Region{{Addr: r.addr(), Len: uint64(o.capBytes)}}
+	if err := a.RegisterMem(nixl.DRAM, regs); err != nil {
+		return fail(err)
+	}
+	defer a.DeregisterMem(nixl.DRAM, regs)
+	md, err := a.LocalMetadata()
+	if err != nil {
+		return fail(err)
+	}
+	if err := enc.Encode(hello{Name: a.Name(), MD: md, Base: r.addr()}); err != nil {
+		return err
+	}
+	done := make(chan struct{})
+	go func() { _, _ = io.Copy(io.Discard, os.Stdin); close(done) }()
+	t := time.NewTicker(time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-done:
+			return nil
+		case <-t.C:
+			_, _ = a.GetNotifs()
+		}
+	}
+}
+
+// result is one (engine, op, block, batch) measurement.
+type result struct {
+	Impl      string  `json:"impl"` // "gonixl/<engine>" or "nixl-python"
+	Op        string  `json:"op"`
+	Block     int     `json:"block"`
+	Batch     int     `json:"batch"`
+	Iters     int     `json:"iters"`
+	GBps      float64 `json:"gbps"`        // bytes / Σ(post start → done)
+	MakeUs    float64 `json:"make_us_p50"` // MakeXfer
+	PostUs    float64 `json:"post_us_p50"` // Post call
+	XferUs    float64 `json:"xfer_us_p50"` // post start → done
+	XferP99Us float64 `json:"xfer_us_p99"` // post start → done
+	ReleaseUs float64 `json:"release_us_p50"`
+}
+
+func pct(ns []int64, p float64) float64 {
+	if len(ns) == 0 {
+		return math.NaN()
+	}
+	s := append([]int64(nil), ns...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	i := int(math.Ceil(p*float64(len(s)))) - 1
+	return float64(s[max(0, min(i, len(s)-1))]) / 1e3
+}
+
+func summarize(impl, op string, block, batch int, makes, posts, xfers, rels []int64) result {
+	var sum int64
+	for _, x := range xfers {
+		sum += x
+	}
+	gbps := 0.0
+	if sum > 0 {
+		gbps = float64(block) * float64(batch) * float64(len(xfers)) / float64(sum)
+	}
+	return result{Impl: impl, Op: op, Block: block, Batch: batch, Iters: len(xfers), GBps: gbps,
+		MakeUs: pct(makes, .5), PostUs: pct(posts, .5), XferUs: pct(xfers, .5), XferP99Us: pct(xfers, .99), ReleaseUs: pct(rels, .5)}
+}
+
+// initiator holds the initiating agent, its region and the target process.
+type initiator struct {
+	o      *transferOpts
+	a      nixl.Agent
+	e      nixl.Engine
+	r      *region
+	regs   []nixl.Region
+	peer   string
+	base   uint64
+	target *exec.Cmd
+	stdin  io.WriteCloser
+}
+
+func startInitiator(o *transferOpts, stderr io.Writer) (*initiator, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	args := []string{"transfer", "-role", "target", "-engine", o.engine, "-cap", strconv.Itoa(o.capBytes),
+		"-progress-thread=" + strconv.FormatBool(o.progress)}
+	cmd := exec.Command(exe, args...)
+	cmd.Stderr = stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start target: %w", err)
+	}
+	in := &initiator{o: o, target: cmd, stdin: stdin}
+	var h hello
+	got := make(chan error, 1)
+	go func() { got <- gob.NewDecoder(stdout).Decode(&h) }()
+	select {
+	case err = <-got:
+	case <-time.After(60 * time.Second):
+		err = errors.New("no answer within 60s")
+	}
+	if err == nil && h.Err != "" {
+		err = errors.New(h.Err)
+	}
+	if err != nil {
+		in.stop()
+		return nil, fmt.Errorf("target: %w", err)
+	}
+	in.base = h.Base
+	if in.a, in.e, err = newBenchAgent(o, "initiator"); err != nil {
+		in.stop()
+		return nil, err
+	}
+	if in.r, err = newRegion(o.capBytes); err != nil {
+		in.stop()
+		return nil, err
+	}
+	in.regs = []nixl.Region{{Addr: in.r.addr(), Len: uint64(o.capBytes)}}
+	if err := in.a.RegisterMem(nixl.DRAM, in.regs); err != nil {
+		in.stop()
+		return nil, err
+	}
+	if in.peer, err = in.a.LoadRemoteMetadata(h.MD); err != nil {
+		in.stop()
+		return nil, err
+	}
+	return in, nil
+}
+
+func (in *initiator) stop() {
+	if in.a != nil {
+		if in.peer != "" {
+			_ = in.a.InvalidateRemote(in.peer)
+		}
+		if in.r != nil {
+			_ = in.a.DeregisterMem(nixl.DRAM, in.regs)
+		}
+		_ = in.a.Close()
+	}
+	if in.r != nil {
+		in.r.free()
+	}
+	_ = in.stdin.Close()
+	done := make(chan struct{})
+	go func() { _ = in.target.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		_ = in.target.Process.Kill()
+		<-done
+	}
+}
+
+// lists prepares the local and remote block tables for one block size.
+func (in *initiator) lists(block int) (local, remote nixl.DescList, slots int, err error) {
+	slots = max(1, in.o.capBytes/block)
+	if local, err = in.a.PrepDescList("", nixl.DRAM, blockTable(in.r.addr(), block, slots)); err != nil {
+		return nil, nil, 0, err
+	}
+	if remote, err = in.a.PrepDescList(in.peer, nixl.DRAM, blockTable(in.base, block, slots)); err != nil {
+		local.Release()
+		return nil, nil, 0, err
+	}
+	return local, remote, slots, nil
+}
+
+// once runs one vLLM-shaped request and returns its phase durations.
+func (in *initiator) once(op nixl.XferOp, local, remote nixl.DescList, li, ri []int32, it int) (mk, post, xfer, rel int64, err error) {
+	t0 := time.Now()
+	x, err := in.a.MakeXfer(op, local, li, remote, ri, []byte("bench:"+strconv.Itoa(it)))
+	if err != nil {
+		return 0, 0, 0, 0, err
+	}
+	t1 := time.Now()
+	st, err := x.Post()
+	t2 := time.Now()
+	deadline := t1.Add(5 * time.Minute)
+	for err == nil && st == nixl.InProgress {
+		st, err = x.Check()
+		if st == nixl.InProgress && time.Now().After(deadline) {
+			err = errors.New("transfer did not finish within 5 minutes")
+		}
+	}
+	t3 := time.Now()
+	if rerr := x.Release(); err == nil {
+		err = rerr
+	}
+	t4 := time.Now()
+	return t1.Sub(t0).Nanoseconds(), t2.Sub(t1).Nanoseconds(), t3.Sub(t1).Nanoseconds(), t4.Sub(t3).Nanoseconds(), err
+}
+
+func (in *initiator) sweep() ([]result, error) {
+	o := in.o
+	var out []result
+	for _, op := range o.ops {
+		for _, block := range o.blocks {
+			local, remote, slots, err := in.lists(block)
+			if err != nil {
+				return out, err
+			}
+			for _, batch := range o.batches {
+				if block*batch > o.maxBatchBytes {
+					continue
+				}
+				li := benchIndices(o.pattern, batch, slots, false)
+				ri := benchIndices(o.pattern, batch, slots, true)
+				var makes, posts, xfers, rels []int64
+				start := time.Now()
+				for it := 0; it < o.maxIters && (it < o.minIters || time.Since(start) < o.minTime); it++ {
+					m, p, x, r, err := in.once(op, local, remote, li, ri, it)
+					if err != nil {
+						local.Release()
+						remote.Release()
+						return out, fmt.Errorf("%v block %d batch %d: %w", op, block, batch, err)
+					}
+					makes, posts, xfers, rels = append(makes, m), append(posts, p), append(xfers, x), append(rels, r)
+				}
+				out = append(out, summarize("gonixl/"+o.engine, strings.ToLower(op.String()), block, batch, makes, posts, xfers, rels))
+			}
+			local.Release()
+			remote.Release()
+		}
+	}
+	return out, nil
+}
+
+// overhead measures our side's per-descriptor CPU cost at n descriptors:
+// building the index arrays from block ids (as the worker does) and
+// MakeXfer (our checks, one cgo crossing, and NIXL's makeXferReq).
+type overheadResult struct {
+	Descs           int     `json:"descs"`
+	BuildNsPerDesc  float64 `json:"build_index_ns_per_desc"`
+	MakeNsPerDesc   float64 `json:"make_xfer_ns_per_desc"`
+	PyMakeNsPerDesc float64 `json:"python_make_ns_per_desc,omitempty"`
+}
+
+func (in *initiator) overhead(n int) (overheadResult, error) {
+	const block = 4096
+	local, remote, slots, err := in.lists(block)
+	if err != nil {
+		return overheadResult{}, err
+	}
+	defer local.Release()
+	defer remote.Release()
+	n = min(n, slots)
+	// Block ids as a scheduler hands them over, scattered.
+	blocks := benchIndices("scattered", n, slots, false)
+	li, ri := make([]int32, n), make([]int32, n)
+	const reps = 50
+	t0 := time.Now()
+	for r := 0; r < reps; r++ {
+		for i, b := range blocks {
+			li[i] = b // region 0: desc id = region*numBlocks + block
+			ri[i] = int32((int(b) + 1) % slots)
+		}
+	}
+	build := time.Since(t0)
+	var mk time.Duration
+	for r := 0; r < reps; r++ {
+		t := time.Now()
+		x, err := in.a.MakeXfer(nixl.Read, local, li, remote, ri, []byte("o"))
+		mk += time.Since(t)
+		if err != nil {
+			return overheadResult{}, err
+		}
+		if err := x.Release(); err != nil {
+			return overheadResult{}, err
+		}
+	}
+	return overheadResult{Descs: n, BuildNsPerDesc: float64(build.Nanoseconds()) / reps / float64(n),
+		MakeNsPerDesc: float64(mk.Nanoseconds()) / reps / float64(n)}, nil
+}
+
+type memResult struct {
+	Iters       int     `json:"iters"`
+	Batch       int     `json:"batch"`
+	RSSAt1kKiB  int64   `json:"rss_kib_after_1000"`
+	RSSEndKiB   int64   `json:"rss_kib_end"`
+	HeapAt1kKiB int64   `json:"go_heap_kib_after_1000"`
+	HeapEndKiB  int64   `json:"go_heap_kib_end"`
+	Seconds     float64 `json:"seconds"`
+}
+
+func rssKiB() int64 {
+	b, err := os.ReadFile("/proc/self/statm")
+	if err != nil {
+		return -1
+	}
+	f := strings.Fields(string(b))
+	if len(f) < 2 {
+		return -1
+	}
+	pages, _ := strconv.ParseInt(f[1], 10, 64)
+	return pages * int64(os.Getpagesize()) / 1024
+}
+
+func heapKiB() int64 {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return int64(m.HeapAlloc / 1024)
+}
+
+// memGrowth repeats a small READ many times and samples memory after a
+// warm-up of 1000 transfers and at the end.
+func (in *initiator) memGrowth(iters, batch int) (memResult, error) {
+	const block = 4096
+	local, remote, slots, err := in.lists(block)
+	if err != nil {
+		return memResult{}, err
+	}
+	defer local.Release()
+	defer remote.Release()
+	li := benchIndices("scattered", batch, slots, false)
+	ri := benchIndices("scattered", batch, slots, true)
+	res := memResult{Iters: iters, Batch: batch}
+	start := time.Now()
+	for it := 0; it < iters; it++ {
+		if _, _, _, _, err := in.once(nixl.Read, local, remote, li, ri, it); err != nil {
+			return res, err
+		}
+		if it == 999 || (iters < 1000 && it == 0) {
+			res.HeapAt1kKiB, res.RSSAt1kKiB = heapKiB(), rssKiB()
+		}
+	}
+	res.Seconds = time.Since(start).Seconds()
+	res.HeapEndKiB, res.RSSEndKiB = heapKiB(), rssKiB()
+	return res, nil
+}
+
+// findUp looks for rel in dir and its parents.
+func findUp(dir, rel string) string {
+	for d := dir; ; d = filepath.Dir(d) {
+		p := filepath.Join(d, rel)
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+		if filepath.Dir(d) == d {
+			return ""
+		}
+	}
+}
+
+// pythonModule names the NIXL Python package matching the library the Go
+// engine loaded, so both sides run the same build.
+func pythonModule(info string) string {
+	switch {
+	case strings.Contains(info, ".nixl_cu12."):
+		return "nixl_cu12"
+	case strings.Contains(info, ".nixl_cu13."):
+		return "nixl_cu13"
+	}
+	return "nixl"
+}
+
+func joinInts(v []int) string {
+	s := make([]string, len(v))
+	for i, x := range v {
+		s[i] = strconv.Itoa(x)
+	}
+	return strings.Join(s, ",")
+}
+
+// runPython runs bench/nixl_python_bench.py with the same parameters.
+func runPython(o *transferOpts, module string, stderr io.Writer) ([]result, string, error) {
+	wd, _ := os.Getwd()
+	py := o.python
+	if py == "" {
+		if v := os.Getenv("VIRTUAL_ENV"); v != "" {
+			py = filepath.Join(v, "bin", "python")
+		} else if p := findUp(wd, ".venv/bin/python"); p != "" {
+			py = p
+		} else {
+			py = "python3"
+		}
+	}
+	script := o.script
+	if script == "" {
+		script = findUp(wd, "bench/nixl_python_bench.py")
+		if script == "" {
+			return nil, "", errors.New("bench/nixl_python_bench.py not found (use -script)")
+		}
+	}
+	var ops []string
+	for _, op := range o.ops {
+		ops = append(ops, strings.ToLower(op.String()))
+	}
+	args := []string{script, "--module", module, "--ops", strings.Join(ops, ","),
+		"--block-sizes", joinInts(o.blocks), "--batch-sizes", joinInts(o.batches),
+		"--cap", strconv.Itoa(o.capBytes), "--max-batch-bytes", strconv.Itoa(o.maxBatchBytes),
+		"--min-time", strconv.FormatFloat(o.minTime.Seconds(), 'f', 3, 64),
+		"--min-iters", strconv.Itoa(o.minIters), "--max-iters", strconv.Itoa(o.maxIters),
+		"--pattern", o.pattern, "--progress-thread", map[bool]string{true: "1", false: "0"}[o.progress]}
+	cmd := exec.Command(py, args...)
+	cmd.Stderr = stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, "", err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, "", fmt.Errorf("%s: %w", py, err)
+	}
+	var res []result
+	var info string
+	sc := bufio.NewScanner(out)
+	sc.Buffer(make([]byte, 1<<20), 64<<20)
+	for sc.Scan() {
+		var line struct {
+			Info    map[string]string `json:"info"`
+			Op      string            `json:"op"`
+			Block   int               `json:"block"`
+			Batch   int               `json:"batch"`
+			Make    []int64           `json:"make_ns"`
+			Post    []int64           `json:"post_ns"`
+			Xfer    []int64           `json:"xfer_ns"`
+			Release []int64           `json:"release_ns"`
+		}
+		if err := json.Unmarshal(sc.Bytes(), &line); err != nil {
+			continue // not ours
+		}
+		if line.Info != nil {
+			info = fmt.Sprintf("%s (%s)", line.Info["module"], line.Info["api_file"])
+			continue
+		}
+		res = append(res, summarize("nixl-python", line.Op, line.Block, line.Batch, line.Make, line.Post, line.Xfer, line.Release))
+	}
+	if err := cmd.Wait(); err != nil {
+		return res, info, fmt.Errorf("%s %s: %w", py, script, err)
+	}
+	return res, info, nil
+}
+
+type report struct {
+	Command  string          `json:"command"`
+	Engine   string          `json:"engine"`
+	Info     string          `json:"engine_info"`
+	PyInfo   string          `json:"python_info,omitempty"`
+	Go       []result        `json:"gonixl"`
+	Python   []result        `json:"nixl_python,omitempty"`
+	Overhead *overheadResult `json:"overhead,omitempty"`
+	Memory   *memResult      `json:"memory,omitempty"`
+}
+
+func runTransfer(args []string, stdout, stderr io.Writer) error {
+	o, err := parseTransferFlags(args, stderr)
+	if err != nil {
+		return err
+	}
+	if o.role == "target" {
+		return runTarget(o, stdout)
+	}
+	in, err := startInitiator(o, stderr)
+	if err != nil {
+		return err
+	}
+	defer in.stop()
+	rep := report{Command: "gonixl-bench transfer " + strings.Join(args, " "), Engine: o.engine, Info: in.e.Info()}
+	fmt.Fprintf(stdout, "engine %s: %s\npattern %s, progress thread %v, cap %d MiB a side\n", o.engine, rep.Info, o.pattern, o.progress, o.capBytes>>20)
+	if rep.Go, err = in.sweep(); err != nil {
+		return err
+	}
+	if o.overheadDescs > 0 {
+		ov, err := in.overhead(o.overheadDescs)
+		if err != nil {
+			return fmt.Errorf("overhead: %w", err)
+		}
+		rep.Overhead = &ov
+	}
+	if o.memIters > 0 {
+		m, err := in.memGrowth(o.memIters, o.memBatch)
+		if err != nil {
+			return fmt.Errorf("memory growth: %w", err)
+		}
+		rep.Memory = &m
+	}
+	if o.python != "none" && o.engine != "fake" {
+		py, info, err := runPython(o, pythonModule(rep.Info), stderr)
+		rep.Python, rep.PyInfo = py, info
+		if err != nil {
+			fmt.Fprintf(stderr, "NIXL-Python run failed: %v\n", err)
+		}
+		for _, p := range py {
+			if ov := rep.Overhead; ov != nil && p.Op == "read" && p.Block == 4096 && p.Batch == ov.Descs {
+				ov.PyMakeNsPerDesc = p.MakeUs * 1e3 / float64(p.Batch)
+			}
+		}
+	}
+	printReport(stdout, &rep)
+	if o.jsonOut != "" {
+		b, _ := json.MarshalIndent(&rep, "", "  ")
+		if err := os.WriteFile(o.jsonOut, b, 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func sizeStr(n int) string {
+	switch {
+	case n >= 1<<20 && n%(1<<20) == 0:
+		return fmt.Sprintf("%dMiB", n>>20)
+	case n >= 1<<10 && n%(1<<10) == 0:
+		return fmt.Sprintf("%dKiB", n>>10)
+	}
+	return strconv.Itoa(n)
+}
+
+func printReport(w io.Writer, rep *report) {
+	py := map[string]result{}
+	for _, r := range rep.Python {
+		py[fmt.Sprintf("%s/%d/%d", r.Op, r.Block, r.Batch)] = r
+	}
+	if rep.PyInfo != "" {
+		fmt.Fprintf(w, "NIXL-Python: %s\n", rep.PyInfo)
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "op\tblock\tbatch\titers\tGB/s\tmake µs\tpost µs\txfer µs p50\txfer µs p99\trelease µs\tpy GB/s\tpy make µs\tpy post µs\tpy xfer µs\tratio\t")
+	for _, r := range rep.Go {
+		line := fmt.Sprintf("%s\t%s\t%d\t%d\t%.3f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t", r.Op, sizeStr(r.Block), r.Batch, r.Iters, r.GBps, r.MakeUs, r.PostUs, r.XferUs, r.XferP99Us, r.ReleaseUs)
+		if p, ok := py[fmt.Sprintf("%s/%d/%d", r.Op, r.Block, r.Batch)]; ok && p.GBps > 0 {
+			line += fmt.Sprintf("%.3f\t%.1f\t%.1f\t%.1f\t%.2f\t", p.GBps, p.MakeUs, p.PostUs, p.XferUs, r.GBps/p.GBps)
+		} else {
+			line += "-\t-\t-\t-\t-\t"
+		}
+		fmt.Fprintln(tw, line)
+	}
+	tw.Flush()
+	if ov := rep.Overhead; ov != nil {
+		fmt.Fprintf(w, "per-descriptor CPU cost at %d descriptors: building index arrays %.2f ns/desc; MakeXfer (our checks + one cgo call + the engine's own make) %.1f ns/desc\n", ov.Descs, ov.BuildNsPerDesc, ov.MakeNsPerDesc)
+		if ov.PyMakeNsPerDesc > 0 {
+			fmt.Fprintf(w, "  NIXL-Python make_prepped_xfer at the same size (read, 4KiB, numpy int32 indices): %.1f ns/desc\n", ov.PyMakeNsPerDesc)
+		}
+	}
+	if m := rep.Memory; m != nil {
+		fmt.Fprintf(w, "memory over %d transfers of %d descriptors (%.1fs): RSS %d KiB after 1000 → %d KiB at end (%+d KiB); Go heap %d → %d KiB (%+d KiB)\n",
+			m.Iters, m.Batch, m.Seconds, m.RSSAt1kKiB, m.RSSEndKiB, m.RSSEndKiB-m.RSSAt1kKiB, m.HeapAt1kKiB, m.HeapEndKiB, m.HeapEndKiB-m.HeapAt1kKiB)
+	}
+}

@@ -1,0 +1,143 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/gonixl/gonixl/nixl"
+)
+
+// TestMain lets the test binary serve as the benchmark's target process
+// ("<binary> transfer -role target ...").
+func TestMain(m *testing.M) {
+	if len(os.Args) > 1 && os.Args[1] == "transfer" {
+		if err := runTransfer(os.Args[2:], os.Stdout, os.Stderr); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+func TestParseSizes(t *testing.T) {
+	got, err := parseSizes("4KiB, 1M,512,2GiB")
+	if err != nil || fmt.Sprint(got) != fmt.Sprint([]int{4096, 1 << 20, 512, 2 << 30}) {
+		t.Fatalf("%v %v", got, err)
+	}
+	for _, bad := range []string{"", "x", "-4", "0", "4XB"} {
+		if _, err := parseSizes(bad); err == nil {
+			t.Errorf("%q accepted", bad)
+		}
+	}
+}
+
+func TestParseFlags(t *testing.T) {
+	var errb bytes.Buffer
+	o, err := parseTransferFlags([]string{"-engine", "ucx", "-ops", "write", "-block-sizes", "4KiB", "-batch-sizes", "1,16"}, &errb)
+	if err != nil || o.engine != "ucx" || len(o.ops) != 1 || o.ops[0] != nixl.Write || len(o.batches) != 2 {
+		t.Fatalf("%+v %v", o, err)
+	}
+	for _, bad := range [][]string{{"-ops", "copy"}, {"-pattern", "zigzag"}, {"-block-sizes", "1GiB", "-cap", "1MiB"}, {"-min-iters", "0"}} {
+		if _, err := parseTransferFlags(bad, &errb); err == nil {
+			t.Errorf("%v accepted", bad)
+		}
+	}
+}
+
+func TestBenchIndices(t *testing.T) {
+	for _, slots := range []int{1, 2, 64, 4096} {
+		for _, batch := range []int{1, 16, 16384} {
+			l := benchIndices("scattered", batch, slots, false)
+			r := benchIndices("scattered", batch, slots, true)
+			for i := range l {
+				if l[i] < 0 || int(l[i]) >= slots || r[i] < 0 || int(r[i]) >= slots {
+					t.Fatalf("slots %d batch %d: index out of range at %d", slots, batch, i)
+				}
+				// Scattered means NIXL can never merge neighbours.
+				if i > 0 && slots > 2 && (l[i] == l[i-1]+1 || r[i] == r[i-1]+1) {
+					t.Fatalf("slots %d batch %d: consecutive indices at %d", slots, batch, i)
+				}
+			}
+		}
+	}
+	c := benchIndices("contiguous", 5, 3, true)
+	if fmt.Sprint(c) != "[0 1 2 0 1]" {
+		t.Fatalf("contiguous: %v", c)
+	}
+}
+
+// The Python side must use the very same indices.
+func TestPythonIndicesMatch(t *testing.T) {
+	wd, _ := os.Getwd()
+	py := findUp(wd, ".venv/bin/python")
+	script := findUp(wd, "bench/nixl_python_bench.py")
+	if py == "" || script == "" {
+		t.Skip("no .venv python or bench script")
+	}
+	code := fmt.Sprintf(`import sys, json; sys.path.insert(0, %q); import importlib.util as u
+s = u.spec_from_file_location("b", %q); m = u.module_from_spec(s); s.loader.exec_module(m)
+print(json.dumps([m.indices("scattered", 300, 4096, "local").tolist(), m.indices("scattered", 300, 64, "remote").tolist()]))`,
+		filepath.Dir(script), script)
+	out, err := exec.Command(py, "-c", code).Output()
+	if err != nil {
+		t.Skipf("python: %v", err)
+	}
+	var got [][]int32
+	if err := json.Unmarshal(out, &got); err != nil {
+		t.Fatal(err)
+	}
+	want := [][]int32{benchIndices("scattered", 300, 4096, false), benchIndices("scattered", 300, 64, true)}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatal("Go and Python index patterns differ")
+	}
+}
+
+func TestPythonModule(t *testing.T) {
+	if pythonModule("NIXL via /x/.nixl_cu13.mesonpy.libs/libnixl_capi.so") != "nixl_cu13" || pythonModule("other") != "nixl" {
+		t.Fatal("pythonModule")
+	}
+}
+
+// A tiny real run: two processes through real NIXL, no Python.
+func TestTransferSmoke(t *testing.T) {
+	e, err := nixl.Lookup("nixl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Available(); err != nil {
+		t.Skipf("NIXL not available: %v", err)
+	}
+	var out, errb bytes.Buffer
+	js := filepath.Join(t.TempDir(), "r.json")
+	err = runTransfer([]string{"-block-sizes", "4KiB", "-batch-sizes", "1,8", "-cap", "1MiB", "-min-time", "1ms",
+		"-min-iters", "2", "-mem-iters", "20", "-mem-batch", "4", "-overhead-descs", "64", "-python", "none", "-json", js}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\nstdout:\n%s\nstderr:\n%s", err, out.String(), errb.String())
+	}
+	var rep report
+	b, err := os.ReadFile(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Go) != 4 || rep.Overhead == nil || rep.Memory == nil {
+		t.Fatalf("report: %d results, overhead %v, memory %v\n%s", len(rep.Go), rep.Overhead, rep.Memory, out.String())
+	}
+	for _, r := range rep.Go {
+		if r.Iters < 2 || r.GBps <= 0 {
+			t.Errorf("result %+v", r)
+		}
+	}
+	if !strings.Contains(out.String(), "per-descriptor CPU cost") {
+		t.Errorf("output:\n%s", out.String())
+	}
+}
