@@ -13,6 +13,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/gonixl/gonixl/nixl"
@@ -49,6 +50,23 @@ type peer struct {
 	rkeys   []C.ucp_rkey_h
 	retired []C.ucp_rkey_h // from earlier loads, destroyed at teardown
 	gen     uint64
+
+	proc     procID
+	local    bool // same host: liveness checked through /proc
+	lastLive time.Time
+	dead     bool
+	deadWhy  string
+}
+
+// checkDead reports whether the peer is known dead, looking at /proc (at
+// most every livenessPeriod) when it runs on this host.
+func (p *peer) checkDead(now time.Time) bool {
+	if p.dead || !p.local || now.Sub(p.lastLive) < livenessPeriod {
+		return p.dead
+	}
+	p.lastLive = now
+	p.dead, p.deadWhy = procDead(p.proc)
+	return p.dead
 }
 
 // agent implements nixl.Agent over one UCP context and one worker. mu
@@ -305,6 +323,7 @@ func (a *agent) localMetadataLocked() ([]byte, error) {
 		UCXVersion: uint32(v[0])<<16 | uint32(v[1])<<8 | uint32(v[2]),
 		Name:       a.name,
 		Address:    a.addr,
+		Proc:       thisProc(),
 	}
 	mems := make([]int, 0, len(a.regions))
 	for mem := range a.regions {
@@ -357,11 +376,12 @@ func (a *agent) loadLocked(m *metadata) error {
 	p := a.peers[m.Name]
 	if p != nil && !bytes.Equal(p.addr, m.Address) {
 		var st C.int
-		if C.gx_ep_failed(p.ep, &st) == 0 {
+		p.lastLive = time.Time{}
+		if C.gx_ep_failed(p.ep, &st) == 0 && !p.checkDead(time.Now()) {
 			return nixl.Errorf(nixl.ErrNotAllowed, op,
 				"agent %q is loaded with another worker address; invalidate it first", m.Name)
 		}
-		// The old incarnation's endpoint failed: this is a restarted peer.
+		// The old incarnation failed or exited: this is a restarted peer.
 		a.teardownPeer(p)
 		delete(a.peers, m.Name)
 		p = nil
@@ -390,7 +410,7 @@ func (a *agent) loadLocked(m *metadata) error {
 				m.Name, msg, ParamErrMode)
 		}
 		C.free(unsafe.Pointer(errBuf))
-		p = &peer{name: m.Name, addr: m.Address, ep: ep}
+		p = &peer{name: m.Name, addr: m.Address, ep: ep, proc: m.Proc, local: sameHost(m.Proc)}
 		if a.epInfo == "" {
 			if s := C.gx_ep_info(ep); s != nil {
 				a.epInfo = fmt.Sprintf("ucx endpoint %s -> %s (error handling %s):\n%s", a.name, m.Name, a.set.errMode, strings.TrimRight(C.GoString(s), "\n"))
@@ -448,14 +468,18 @@ func (a *agent) destroyRkeys(rk []C.ucp_rkey_h) {
 // its rkeys, close it. When a live endpoint cannot be flushed in time the
 // rkeys are leaked rather than destroyed under outstanding operations.
 func (a *agent) teardownPeer(p *peer) {
-	rc := C.gx_ep_flush(a.c, p.ep, flushTimeoutMs)
 	var st C.int
-	if rc <= 0 || C.gx_ep_failed(p.ep, &st) != 0 {
+	force := C.int(0)
+	if p.dead {
+		// Operations towards a dead process never complete: no flush, and
+		// the rkeys they reference are leaked; the close is forced.
+		force = 1
+	} else if rc := C.gx_ep_flush(a.c, p.ep, flushTimeoutMs); rc <= 0 || C.gx_ep_failed(p.ep, &st) != 0 {
 		a.destroyRkeys(p.rkeys)
 		a.destroyRkeys(p.retired)
 	}
 	p.rkeys, p.retired, p.regions = nil, nil, nil
-	C.gx_ep_close(a.c, p.ep, closeTimeoutMs)
+	C.gx_ep_close(a.c, p.ep, force, closeTimeoutMs)
 	// Transfers may still hold the gx_ep; it is freed with the agent.
 	a.graveyard = append(a.graveyard, p.ep)
 	p.gen = 0
@@ -689,6 +713,9 @@ func (a *agent) SendNotif(agentName string, msg []byte) error {
 		}
 	} else if p = a.peers[agentName]; p == nil {
 		return nixl.Errorf(nixl.ErrNotFound, op, "no metadata loaded for agent %q", agentName)
+	}
+	if p.dead {
+		return nixl.Errorf(nixl.ErrRemoteDiscon, op, "%s", p.deadWhy)
 	}
 	payload := notifPayload(a.name, msg)
 	if rc := C.gx_send_notif(a.c, p.ep, unsafe.Pointer(&payload[0]), C.size_t(len(payload))); rc != 0 {

@@ -229,9 +229,9 @@ func TestRemoteOutsideAdvertised(t *testing.T) {
 	p := newPair(t, 8192, map[string]string{ParamErrMode: "none"}, false)
 	base := addrOf(p.bufB)
 	for _, d := range []nixl.Desc{
-		{Addr: base + 8192, Len: 1},   // just past the end
-		{Addr: base + 4096, Len: 8192}, // starts inside, ends outside
-		{Addr: base - 1, Len: 2},       // starts before
+		{Addr: base + 8192, Len: 1},     // just past the end
+		{Addr: base + 4096, Len: 8192},  // starts inside, ends outside
+		{Addr: base - 1, Len: 2},        // starts before
 		{Addr: base, Len: 16, DevID: 1}, // wrong device
 	} {
 		_, err := p.a.PrepDescList("B", nixl.DRAM, []nixl.Desc{d})

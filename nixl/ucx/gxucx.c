@@ -558,7 +558,7 @@ int gx_ep_flush(gx_agent *a, gx_ep *e, int timeout_ms)
     return st == UCS_OK ? 0 : (int)st;
 }
 
-void gx_ep_close(gx_agent *a, gx_ep *e, int timeout_ms)
+void gx_ep_close(gx_agent *a, gx_ep *e, int force, int timeout_ms)
 {
     ucp_request_param_t p;
     ucs_status_ptr_t sp;
@@ -570,7 +570,7 @@ void gx_ep_close(gx_agent *a, gx_ep *e, int timeout_ms)
     e->closed = 1;
     memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    p.flags = (force || __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE)) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     sp = G.ep_close_nbx(e->ep, &p);
     if (sp == NULL || UCS_PTR_IS_ERR(sp)) {
         return;

@@ -99,9 +99,9 @@ char *gx_ep_info(gx_ep *e);
 /* Flushes every outstanding operation on the endpoint, progressing for at
  * most timeout_ms. Returns 0 when flushed, 1 on timeout, <0 on failure. */
 int gx_ep_flush(gx_agent *a, gx_ep *e, int timeout_ms);
-/* Closes the endpoint: flush-close (force if failed), progressing for at most
+/* Closes the endpoint: flush-close (force if failed or asked), progressing for at most
  * timeout_ms. The gx_ep struct stays allocated (freed by gx_ep_free). */
-void gx_ep_close(gx_agent *a, gx_ep *e, int timeout_ms);
+void gx_ep_close(gx_agent *a, gx_ep *e, int force, int timeout_ms);
 void gx_ep_free(gx_ep *e);
 
 /* Maps [addr, addr+len) and packs its rkey into a malloc'd buffer. */

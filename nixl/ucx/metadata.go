@@ -17,6 +17,10 @@ import (
 //	ucxver   u32      libucp version of the writer: major<<16 | minor<<8 | release
 //	name     u16 n, n bytes (1..maxNameLen)
 //	address  u32 n, n bytes (the UCP worker address, 1..maxAddrLen)
+//	bootid   u8 n, n bytes (/proc/sys/kernel/random/boot_id; 0 when unknown)
+//	pidns    u64      inode of /proc/self/ns/pid (0 when unknown)
+//	pid      u32      writer's process id
+//	start    u64      writer's start time (field 22 of /proc/self/stat)
 //	regions  u32 count (0..maxRegions), then per region:
 //	           mem u32, addr u64, len u64, devId u64, rkey u16 n, n bytes (1..maxRkeyLen)
 //	crc      u32      CRC-32C of every byte before it
@@ -39,7 +43,17 @@ type metadata struct {
 	UCXVersion uint32
 	Name       string
 	Address    []byte
+	Proc       procID
 	Regions    []mdRegion
+}
+
+// procID identifies the writing process on its host, so that a peer on the
+// same host (same boot and pid namespace) can be checked for liveness.
+type procID struct {
+	BootID string
+	PidNS  uint64
+	Pid    uint32
+	Start  uint64
 }
 
 type mdRegion struct {
@@ -60,7 +74,10 @@ func (m *metadata) encode() ([]byte, error) {
 	if len(m.Regions) > maxRegions {
 		return nil, fmt.Errorf("%d regions, more than %d", len(m.Regions), maxRegions)
 	}
-	size := 8 + 2 + 2 + 4 + 2 + len(m.Name) + 4 + len(m.Address) + 4 + 4
+	if len(m.Proc.BootID) > 255 {
+		return nil, fmt.Errorf("boot id of %d bytes", len(m.Proc.BootID))
+	}
+	size := 8 + 2 + 2 + 4 + 2 + len(m.Name) + 4 + len(m.Address) + 1 + len(m.Proc.BootID) + 8 + 4 + 8 + 4 + 4
 	for _, r := range m.Regions {
 		if len(r.Rkey) == 0 || len(r.Rkey) > maxRkeyLen {
 			return nil, fmt.Errorf("rkey length %d outside 1..%d", len(r.Rkey), maxRkeyLen)
@@ -76,6 +93,11 @@ func (m *metadata) encode() ([]byte, error) {
 	b = append(b, m.Name...)
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(m.Address)))
 	b = append(b, m.Address...)
+	b = append(b, byte(len(m.Proc.BootID)))
+	b = append(b, m.Proc.BootID...)
+	b = binary.LittleEndian.AppendUint64(b, m.Proc.PidNS)
+	b = binary.LittleEndian.AppendUint32(b, m.Proc.Pid)
+	b = binary.LittleEndian.AppendUint64(b, m.Proc.Start)
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(m.Regions)))
 	for _, r := range m.Regions {
 		b = binary.LittleEndian.AppendUint32(b, uint32(r.Mem))
@@ -167,6 +189,12 @@ func decodeMetadata(b []byte) (*metadata, error) {
 		return nil, fmt.Errorf("worker address length %d outside 1..%d", addrLen, maxAddrLen)
 	}
 	m.Address = append([]byte(nil), r.take(int(addrLen), "worker address")...)
+	if s := r.take(1, "boot id length"); s != nil {
+		m.Proc.BootID = string(r.take(int(s[0]), "boot id"))
+	}
+	m.Proc.PidNS = r.u64("pid namespace")
+	m.Proc.Pid = r.u32("pid")
+	m.Proc.Start = r.u64("start time")
 	n := r.u32("region count")
 	if r.err == nil && n > maxRegions {
 		return nil, fmt.Errorf("region count %d above %d", n, maxRegions)

@@ -58,6 +58,9 @@ func (x *xfer) Post() (nixl.Status, error) {
 	if a.peers[p.name] != p || p.gen != x.gen {
 		return nixl.ErrNotFound, nixl.Errorf(nixl.ErrNotFound, fn, "metadata of agent %q was invalidated or reloaded after MakeXfer", p.name)
 	}
+	if p.dead {
+		return nixl.ErrRemoteDiscon, nixl.Errorf(nixl.ErrRemoteDiscon, fn, "transfer to %s: %s", p.name, p.deadWhy)
+	}
 	x.posted = true
 	x.final = nixl.InProgress
 	x.finalErr = nil
@@ -120,6 +123,11 @@ func (x *xfer) checkLocked(fn string) (nixl.Status, error) {
 		return nixl.ErrInvalidParam, err
 	}
 	rc := C.gx_check(x.a.c, x.peer.ep, x.c, 1)
+	if rc == 1 && x.peer.checkDead(time.Now()) {
+		err := nixl.Errorf(nixl.ErrRemoteDiscon, fn, "transfer to %s: %s", x.peer.name, x.peer.deadWhy)
+		x.final, x.finalErr = nixl.ErrRemoteDiscon, err
+		return x.final, err
+	}
 	return x.settle(rc, fn)
 }
 
