@@ -46,17 +46,18 @@ type Worker struct {
 	prom  *promMetrics
 	stats *Stats
 
-	mu         sync.Mutex
-	closed     bool
-	engine     nixl.Engine
-	agent      nixl.Agent
-	layout     *KVLayout
-	localList  nixl.DescList
-	payload    []byte
-	compatHash string
-	hs         *sidechannel.Client
-	blockSize  int64
-	kvLayout   string
+	mu             sync.Mutex
+	closed         bool
+	engine         nixl.Engine
+	agent          nixl.Agent
+	layout         *KVLayout
+	localList      nixl.DescList
+	payload        []byte
+	compatHash     string
+	hs             *sidechannel.Client
+	blockSize      int64
+	kvLayout       string
+	engineOverride nixl.Engine // tests: bypass Select
 
 	remotes     map[string]*remoteEngine
 	handshakes  map[string]*handshakeState
@@ -152,9 +153,11 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	if err != nil {
 		return err
 	}
-	eng, why, err := nixl.Select(w.cfg.TransferEngine, layout.Mem)
-	if err != nil {
-		return fmt.Errorf("transfer engine %q: %w", w.cfg.TransferEngine, err)
+	eng, why := w.engineOverride, "injected"
+	if eng == nil {
+		if eng, why, err = nixl.Select(w.cfg.TransferEngine, layout.Mem); err != nil {
+			return fmt.Errorf("transfer engine %q: %w", w.cfg.TransferEngine, err)
+		}
 	}
 	w.log.Info("transfer engine selected", zap.String("engine", eng.Name()), zap.String("why", why), zap.String("info", eng.Info()))
 	agent, err := eng.NewAgent(nixl.AgentConfig{
@@ -189,6 +192,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 		factors[k] = v
 	}
 	factors["attn_backend_name"] = init.AttnBackend
+	factors["nixl_connector_version"] = sidechannel.NIXLConnectorVersion
 	if eng.Name() != "nixl" {
 		// A gonixl engine speaking its own transport can only pair with the
 		// same transport; NIXL-based engines keep vLLM's exact hash.

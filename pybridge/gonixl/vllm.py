@@ -1,0 +1,451 @@
+"""GoNixlConnector: vLLM's KV connector interface in front of libgonixl.so.
+
+vLLM loads it with::
+
+    --kv-transfer-config '{"kv_connector": "GoNixlConnector",
+                           "kv_connector_module_path": "gonixl.vllm",
+                           "kv_role": "kv_producer", ...}'
+
+This class only flattens vLLM objects (request ids, token counts,
+kv_transfer_params, block ids, tensor geometry) into bytes and integer
+arrays and calls the library. All connector state -- request state
+machine, leases, heartbeats, handshakes, transfers, stats -- lives in Go.
+The library is loaded on first use in the process that uses it (vLLM forks
+its workers; a Go runtime does not survive fork).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
+    NixlKVConnectorStats,
+    NixlPromMetrics,
+)
+from vllm.logger import init_logger
+
+from . import _lib, errors
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+class GoNixlConnectorMetadata(KVConnectorMetadata):
+    """One step's scheduler -> worker metadata: opaque bytes made by Go."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+
+class GoNixlHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """A worker's encoded NixlHandshakePayload, served by the scheduler's
+    side-channel listener."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+
+def _s(x: Optional[str]) -> bytes:
+    return (x or "").encode()
+
+
+def _params_json(request: "Request") -> bytes:
+    p = request.kv_transfer_params
+    if not p:
+        return b""
+    return json.dumps(p, default=_json_default).encode()
+
+
+def _json_default(o: Any):
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    raise TypeError(f"kv_transfer_params value of type {type(o).__name__} is not JSON serialisable")
+
+
+def _flatten_groups(groups) -> tuple[ctypes.Array, int, ctypes.Array, int]:
+    """Per-group block id lists -> (flat int64 array, n, group lengths, n_groups)."""
+    groups = [list(g) for g in (groups or ())]
+    flat = [b for g in groups for b in g]
+    ids = (ctypes.c_int64 * len(flat))(*flat)
+    lens = (ctypes.c_int64 * len(groups))(*[len(g) for g in groups])
+    return ids, len(flat), lens, len(groups)
+
+
+def _compat_factors(vllm_config: VllmConfig) -> dict[str, Any]:
+    """The factors of vLLM's NIXL compatibility hash, minus the ones the
+    library adds (connector version, attention backend)."""
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata as nixl_md
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    spec = None
+    if hasattr(nixl_md, "_get_speculative_compatibility_factors"):
+        spec = nixl_md._get_speculative_compatibility_factors(vllm_config)
+    return {
+        "vllm_version": vllm.__version__,
+        "model": mc.model,
+        "dtype": str(mc.dtype),
+        "num_kv_heads": mc.get_total_num_kv_heads(),
+        "head_size": mc.get_head_size(),
+        "num_hidden_layers": mc.get_total_num_hidden_layers(),
+        "cache_dtype": str(cc.cache_dtype),
+        "is_hma_enabled": not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "speculative_config": spec,
+        "transfer_mode": "pull",
+    }
+
+
+def _config_json(vllm_config: VllmConfig, role: str) -> bytes:
+    ktc = vllm_config.kv_transfer_config
+    pc = vllm_config.parallel_config
+    from vllm import envs
+
+    cfg = {
+        "role": role,
+        "kv_role": ktc.kv_role,
+        "engine_id": ktc.engine_id,
+        "kv_buffer_device": ktc.kv_buffer_device,
+        "kv_load_failure_policy": getattr(ktc, "kv_load_failure_policy", "fail"),
+        "enable_permute_local_kv": bool(getattr(ktc, "enable_permute_local_kv", False)),
+        "tp_size": pc.tensor_parallel_size,
+        "tp_rank": _tp_rank(role),
+        "pp_size": pc.pipeline_parallel_size,
+        "pp_rank": _pp_rank(role),
+        "dp_index": getattr(pc, "data_parallel_index", 0) or 0,
+        "block_size": vllm_config.cache_config.block_size,
+        "side_channel_host": envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+        "side_channel_port": envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
+        "kv_connector_extra_config": ktc.kv_connector_extra_config or {},
+    }
+    if role == "worker":
+        cfg["compat_factors"] = _compat_factors(vllm_config)
+    return json.dumps(cfg, default=_json_default).encode()
+
+
+def _tp_rank(role: str) -> int:
+    if role != "worker":
+        return 0
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().rank_in_group
+
+
+def _pp_rank(role: str) -> int:
+    if role != "worker":
+        return 0
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return get_pp_group().rank_in_group
+
+
+def _new(fn: str, cfg: bytes) -> int:
+    h = _lib.handle_t()
+    _lib.call(fn, cfg, len(cfg), ctypes.byref(h))
+    return h.value
+
+
+class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector (pull mode, as NixlConnector) backed by libgonixl.so."""
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return False
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None and ktc.engine_id is not None
+        if ktc.kv_role == "kv_both":
+            logger.warning(
+                "Using kv_role='kv_both' with GoNixlConnector is deprecated: set kv_role='kv_producer' "
+                "on prefill instances and kv_role='kv_consumer' on decode instances."
+            )
+        self.engine_id = ktc.engine_id
+        self.kv_cache_config = kv_cache_config
+        self._sched: int = 0
+        self._worker: int = 0
+        self._handshake: Optional[GoNixlHandshakeMetadata] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _new("gonixl_scheduler_new", _config_json(vllm_config, "scheduler"))
+        elif role == KVConnectorRole.WORKER:
+            self._worker = _new("gonixl_worker_new", _config_json(vllm_config, "worker"))
+        else:
+            raise ValueError(f"unsupported KVConnectorRole: {role}")
+        logger.info("GoNixlConnector %s for engine %s (libgonixl %s)", role.name.lower(), self.engine_id, _lib.library_path())
+
+    # ------------------------------------------------------------------
+    # Class methods
+    # ------------------------------------------------------------------
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> Optional[str]:
+        # Same as NixlConnector: heads before tokens inside a block, so that
+        # one block of one layer is a contiguous range.
+        if vllm_config.model_config is None or vllm_config.model_config.use_mla:
+            return None
+        return "LBHNC"
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KVConnectorStats]:
+        return NixlKVConnectorStats(data=data) if data is not None else NixlKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return NixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ------------------------------------------------------------------
+    # Scheduler side
+    # ------------------------------------------------------------------
+    def get_finished_count(self) -> Optional[int]:
+        return None
+
+    def on_new_request(self, request: "Request") -> None:
+        rid, pj = _s(request.request_id), _params_json(request)
+        if not pj:
+            return
+        self._call_request("gonixl_scheduler_on_new_request", request, self._sched, rid, len(rid), pj, len(pj))
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        pj = _params_json(request)
+        if not pj:
+            return 0, False
+        count, is_async = ctypes.c_int64(0), ctypes.c_int32(0)
+        try:
+            _lib.call(
+                "gonixl_scheduler_get_num_new_matched_tokens",
+                self._sched,
+                pj,
+                len(pj),
+                len(request.prompt_token_ids or ()),
+                num_computed_tokens,
+                ctypes.byref(count),
+                ctypes.byref(is_async),
+            )
+        except errors.InvalidArgumentError as e:
+            logger.error("GoNixlConnector: request %s has invalid kv_transfer_params, no KV transfer: %s", request.request_id, e)
+            return 0, False
+        return count.value, bool(is_async.value)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        pj = _params_json(request)
+        if not pj:
+            return
+        groups: tuple = ()
+        if num_external_tokens > 0:
+            groups = tuple(self.kv_cache_config.select_transfer_block_ids(blocks.get_unhashed_block_ids_all_groups()))
+        computed = [sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks]
+        ids, n, lens, ng = _flatten_groups(groups)
+        comp = (ctypes.c_int64 * len(computed))(*computed)
+        mutated = ctypes.c_int32(0)
+        rid = _s(request.request_id)
+        ok = self._call_request(
+            "gonixl_scheduler_update_state_after_alloc",
+            request,
+            self._sched,
+            rid,
+            len(rid),
+            pj,
+            len(pj),
+            ids,
+            n,
+            lens,
+            ng,
+            comp,
+            len(computed),
+            num_external_tokens,
+            ctypes.byref(mutated),
+        )
+        if ok and mutated.value:
+            # Mirror vLLM: the request's params now say the remote blocks
+            # were taken care of.
+            request.kv_transfer_params["do_remote_prefill"] = False
+            request.kv_transfer_params["_remote_blocks_processed"] = True
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return GoNixlConnectorMetadata(_lib.call_bytes("gonixl_scheduler_build_meta", self._sched))
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        done = connector_output.finished_recving
+        if done:
+            j = json.dumps(sorted(done)).encode()
+            _lib.call("gonixl_scheduler_update_connector_output", self._sched, j, len(j))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Optional[dict[str, Any]]]:
+        pj = _params_json(request)
+        if not pj:
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if len(block_ids) == len(self.kv_cache_config.kv_cache_groups):
+            block_ids = self.kv_cache_config.select_transfer_block_ids(block_ids)
+        ids, n, lens, ng = _flatten_groups(block_ids)
+        rid = _s(request.request_id)
+        delay = ctypes.c_int32(0)
+        try:
+            out = _lib.call_bytes(
+                "gonixl_scheduler_request_finished",
+                self._sched,
+                rid,
+                len(rid),
+                pj,
+                len(pj),
+                1 if normal else 0,
+                request.num_computed_tokens,
+                ids,
+                n,
+                lens,
+                ng,
+                ctypes.byref(delay),
+                initial=256 + 16 * n,
+            )
+        except errors.InvalidArgumentError as e:
+            logger.error("GoNixlConnector: request %s: %s", request.request_id, e)
+            return False, None
+        if request.kv_transfer_params is not None and request.kv_transfer_params.get("do_remote_prefill"):
+            request.kv_transfer_params["do_remote_prefill"] = False
+        return bool(delay.value), (json.loads(out) if out else None)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        for (pp, tp), m in sorted(metadata.items()):
+            if not isinstance(m, GoNixlHandshakeMetadata):
+                raise ValueError(f"GoNixlConnector expects GoNixlHandshakeMetadata, got {type(m).__name__}")
+            _lib.call("gonixl_scheduler_set_handshake_payload", self._sched, pp, tp, m.payload, len(m.payload))
+
+    def _call_request(self, fn: str, request: "Request", *args) -> bool:
+        """Scheduler calls about one request: bad kv_transfer_params fail
+        that request's transfer with a log line, never the engine."""
+        try:
+            _lib.call(fn, *args)
+            return True
+        except errors.InvalidArgumentError as e:
+            logger.error("GoNixlConnector: request %s: %s", request.request_id, e)
+            return False
+
+    # ------------------------------------------------------------------
+    # Worker side
+    # ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        layers = []
+        for name in sorted(kv_caches):
+            t = kv_caches[name]
+            st = t.untyped_storage()
+            layers.append(
+                {
+                    "name": name,
+                    "data_ptr": t.data_ptr(),
+                    "storage_ptr": st.data_ptr(),
+                    "storage_bytes": st.nbytes(),
+                    "elem_size": t.element_size(),
+                    "shape": list(t.shape),
+                    "stride": list(t.stride()),
+                    "device": t.device.type,
+                    "device_index": t.device.index if t.device.index is not None else 0,
+                }
+            )
+        backends = get_current_attn_backends(self._vllm_config)
+        init = {
+            "layers": layers,
+            "num_blocks": self.kv_cache_config.num_blocks,
+            "block_size": self._vllm_config.cache_config.block_size,
+            "attn_backend": backends[0].get_name() if backends else "",
+            "kv_cache_layout": self._vllm_config.cache_config.get_resolved_kv_cache_layout().name,
+        }
+        j = json.dumps(init).encode()
+        _lib.call("gonixl_worker_register_kv_caches", self._worker, j, len(j))
+        self._handshake = GoNixlHandshakeMetadata(_lib.call_bytes("gonixl_worker_handshake_payload", self._worker))
+
+    def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
+        return self._handshake
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, GoNixlConnectorMetadata)
+        _lib.call("gonixl_worker_start_load_kv", self._worker, meta.data, len(meta.data))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self):
+        pass
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        r = json.loads(_lib.call_bytes("gonixl_worker_get_finished", self._worker))
+        return KVConnectorTransferResults(
+            finished_sending=set(r["finished_sending"]),
+            finished_recving=set(r["finished_recving"]),
+            failed_recving=set(r["failed_recving"]),
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set(json.loads(_lib.call_bytes("gonixl_worker_load_errors", self._worker, initial=64)))
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        if not self._worker:
+            return None
+        raw = _lib.call_bytes("gonixl_worker_stats", self._worker)
+        if not raw:
+            return None
+        return NixlKVConnectorStats(data=json.loads(raw))
+
+    def metrics_text(self) -> str:
+        """gonixl's own Prometheus registry (worker side), text format."""
+        return _lib.call_bytes("gonixl_worker_metrics", self._worker, initial=16384).decode()
+
+    def shutdown(self):
+        if self._worker:
+            h, self._worker = self._worker, 0
+            _lib.call("gonixl_worker_close", h)
+        if self._sched:
+            h, self._sched = self._sched, 0
+            _lib.call("gonixl_scheduler_close", h)

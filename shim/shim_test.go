@@ -1,0 +1,563 @@
+package shim
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/nixl/nixltest"
+)
+
+const (
+	tNumBlocks = 16
+	tHeads     = 2
+	tBlockSize = 4
+	tHeadDim   = 8
+	tElem      = 4
+	tLayers    = 2
+	// one block of one K or V region
+	tBlockLen = tHeads * tBlockSize * tHeadDim * tElem
+)
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+func testConfig(t *testing.T, role Role, kvRole, engineID string, port int, extra map[string]any) *Config {
+	t.Helper()
+	raw := map[string]any{
+		"role": role, "kv_role": kvRole, "engine_id": engineID,
+		"side_channel_host": "127.0.0.1", "side_channel_port": port,
+		"block_size":                tBlockSize,
+		"kv_connector_extra_config": extra,
+		"compat_factors":            map[string]any{"model": "tiny", "dtype": "torch.float32"},
+	}
+	b, _ := json.Marshal(raw)
+	c, err := ParseConfig(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// kvMem allocates FlashAttention-shaped caches, [2, num_blocks, heads,
+// block_size, head_dim] per layer, in one mapping per layer.
+type kvMem struct {
+	mems   []*nixltest.Mem
+	layers []LayerTensor
+}
+
+func newKVMem(t *testing.T, fill byte) *kvMem {
+	t.Helper()
+	km := &kvMem{}
+	per := 2 * tNumBlocks * tBlockLen
+	for l := 0; l < tLayers; l++ {
+		m, err := nixltest.Alloc(per)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = m.Free() })
+		for i := range m.Bytes {
+			m.Bytes[i] = fill + byte(l*31+i/tBlockLen)
+		}
+		km.mems = append(km.mems, m)
+		km.layers = append(km.layers, LayerTensor{
+			Name: fmt.Sprintf("model.layers.%d.self_attn", l), DataPtr: m.Addr, StoragePtr: m.Addr, StorageBytes: uint64(per),
+			ElemSize: tElem, Shape: []int64{2, tNumBlocks, tHeads, tBlockSize, tHeadDim},
+			Stride: []int64{tNumBlocks * tHeads * tBlockSize * tHeadDim, tHeads * tBlockSize * tHeadDim, tBlockSize * tHeadDim, tHeadDim, 1},
+			Device: "cpu",
+		})
+	}
+	return km
+}
+
+// block returns region kv (0=K, 1=V) block b of layer l.
+func (km *kvMem) block(l, kv, b int) []byte {
+	off := (kv*tNumBlocks + b) * tBlockLen
+	return km.mems[l].Bytes[off : off+tBlockLen]
+}
+
+func initFor(km *kvMem) *WorkerInit {
+	return &WorkerInit{Layers: km.layers, NumBlocks: tNumBlocks, BlockSize: tBlockSize, AttnBackend: "CPU_ATTN", KVCacheLayout: "LBHNC"}
+}
+
+type side struct {
+	sched *Scheduler
+	work  *Worker
+	kv    *kvMem
+	port  int
+}
+
+func newSide(t *testing.T, eng nixl.Engine, kvRole, id string, clock Clock, fill byte, extra map[string]any) *side {
+	t.Helper()
+	port := freePort(t)
+	s, err := NewScheduler(testConfig(t, RoleScheduler, kvRole, id, port, extra), clock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := NewWorker(testConfig(t, RoleWorker, kvRole, id, port, extra), clock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.engineOverride = eng
+	km := newKVMem(t, fill)
+	if err := w.RegisterKVCaches(initFor(km)); err != nil {
+		t.Fatal(err)
+	}
+	payload, err := w.HandshakePayload()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.SetHandshakePayload(0, 0, payload); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = w.Close(); _ = s.Close() })
+	return &side{sched: s, work: w, kv: km, port: port}
+}
+
+// step runs one engine step: scheduler metadata into the worker.
+func (sd *side) step(t *testing.T) {
+	t.Helper()
+	b, err := sd.sched.BuildMeta()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sd.work.StartLoadKV(b); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (sd *side) finished(t *testing.T) Finished {
+	t.Helper()
+	b, err := sd.work.GetFinished()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var f Finished
+	if err := json.Unmarshal(b, &f); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// waitFinished polls until pred holds, collecting results; bounded.
+func (sd *side) waitFinished(t *testing.T, what string, pred func(Finished) bool) Finished {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	var all Finished
+	for time.Now().Before(deadline) {
+		f := sd.finished(t)
+		all.Sending = append(all.Sending, f.Sending...)
+		all.Recving = append(all.Recving, f.Recving...)
+		all.Failed = append(all.Failed, f.Failed...)
+		if pred(all) {
+			return all
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	t.Fatalf("timed out waiting for %s; got %+v", what, all)
+	return all
+}
+
+func contains(xs []string, x string) bool {
+	for _, v := range xs {
+		if v == x {
+			return true
+		}
+	}
+	return false
+}
+
+func mustParams(t *testing.T, js string) *TransferParams {
+	t.Helper()
+	p, err := ParseTransferParams([]byte(js))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// prefill runs a request through the prefill scheduler and worker up to
+// request_finished and returns the kv_transfer_params it emits.
+func prefill(t *testing.T, p *side, reqID string, blocks []int64, numTokens int64) []byte {
+	t.Helper()
+	in := mustParams(t, `{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}`)
+	if n, async := p.sched.GetNumNewMatchedTokens(in, numTokens, 0); n != 0 || async {
+		t.Fatalf("prefill matched %d tokens async=%v, want 0", n, async)
+	}
+	if _, err := p.sched.UpdateStateAfterAlloc(reqID, in, nil, []int64{0}, 0); err != nil {
+		t.Fatal(err)
+	}
+	p.step(t)
+	delay, out, err := p.sched.RequestFinished(reqID, in, true, numTokens, BlockIDs{blocks})
+	if err != nil || !delay || out == nil {
+		t.Fatalf("request_finished: delay=%v out=%s err=%v", delay, out, err)
+	}
+	p.step(t)
+	return out
+}
+
+func TestRequestFinishedParamsKeys(t *testing.T) {
+	clock := NewFakeClock(1000)
+	p := newSide(t, nixltest.NewEngine("t"), "kv_producer", "engine-p", clock.Now, 1, nil)
+	out := prefill(t, p, "req-1", []int64{3, 4, 5}, 12)
+	var got map[string]any
+	if err := json.Unmarshal(out, &got); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
+		"remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode"}
+	if len(got) != len(want) {
+		t.Errorf("got %d keys %v, want %d", len(got), got, len(want))
+	}
+	for _, k := range want {
+		if _, ok := got[k]; !ok {
+			t.Errorf("missing key %s in %s", k, out)
+		}
+	}
+	if got["do_remote_prefill"] != true || got["do_remote_decode"] != false || got["remote_engine_id"] != "engine-p" ||
+		got["remote_request_id"] != "req-1" || got["remote_port"] != float64(p.port) || got["remote_num_tokens"] != float64(12) ||
+		got["remote_blocks_expiry_time"] != nil || got["transfer_mode"] != "pull" {
+		t.Errorf("unexpected params %s", out)
+	}
+	if !bytes.Contains(out, []byte(`"remote_block_ids":[[3,4,5]]`)) {
+		t.Errorf("remote_block_ids not per group: %s", out)
+	}
+}
+
+func TestPrefillToDecodeTransfer(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	eng.SetScript(nixltest.Script{Polls: 2})
+	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
+	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
+
+	out := prefill(t, p, "req-p", []int64{3, 4, 5}, 12)
+	dp := mustParams(t, string(out))
+	d.sched.OnNewRequest("req-d", dp)
+	n, async := d.sched.GetNumNewMatchedTokens(dp, 12, 0)
+	if n != 12 || !async {
+		t.Fatalf("decode matched %d async=%v, want 12 true", n, async)
+	}
+	mut, err := d.sched.UpdateStateAfterAlloc("req-d", dp, BlockIDs{{7, 8, 9}}, []int64{0}, n)
+	if err != nil || !mut {
+		t.Fatalf("update_state_after_alloc: mutated=%v err=%v", mut, err)
+	}
+	d.step(t)
+	f := d.waitFinished(t, "decode recv", func(f Finished) bool { return contains(f.Recving, "req-d") })
+	if len(f.Failed) != 0 {
+		t.Fatalf("failed: %v", f.Failed)
+	}
+	for l := 0; l < tLayers; l++ {
+		for kv := 0; kv < 2; kv++ {
+			for i, pb := range []int{3, 4, 5} {
+				if !bytes.Equal(d.kv.block(l, kv, 7+i), p.kv.block(l, kv, pb)) {
+					t.Fatalf("layer %d kv %d: decode block %d != prefill block %d", l, kv, 7+i, pb)
+				}
+			}
+			if bytes.Equal(d.kv.block(l, kv, 6), p.kv.block(l, kv, 2)) {
+				t.Fatalf("block outside the request was overwritten")
+			}
+		}
+	}
+	p.waitFinished(t, "prefill send", func(f Finished) bool { return contains(f.Sending, "req-p") })
+	var st map[string][]float64
+	if err := json.Unmarshal(d.work.Stats(), &st); err != nil {
+		t.Fatal(err)
+	}
+	if len(st["transfer_duration"]) != 1 || st["bytes_transferred"][0] != float64(3*2*tLayers*tBlockLen) {
+		t.Errorf("stats %v", st)
+	}
+	if d.work.Stats() != nil {
+		t.Error("stats not reset after retrieval")
+	}
+	d.sched.UpdateConnectorOutput([]string{"req-d"})
+	if len(d.sched.hbByEngine) != 0 {
+		t.Error("heartbeat tracking not stopped after the KV arrived")
+	}
+}
+
+func TestPrefixHitReadsTailAndNotifyOnly(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
+	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
+
+	// Partial local hit: 1 local block for 3 remote -> read only the last.
+	out := prefill(t, p, "req-a", []int64{3, 4, 5}, 12)
+	dp := mustParams(t, string(out))
+	if _, err := d.sched.UpdateStateAfterAlloc("req-a", dp, BlockIDs{{9}}, []int64{2}, 4); err != nil {
+		t.Fatal(err)
+	}
+	d.step(t)
+	d.waitFinished(t, "tail read", func(f Finished) bool { return contains(f.Recving, "req-a") })
+	if !bytes.Equal(d.kv.block(0, 1, 9), p.kv.block(0, 1, 5)) {
+		t.Fatal("tail block not read")
+	}
+	// Full local hit: no external tokens -> notify only, prefill frees now.
+	out = prefill(t, p, "req-b", []int64{6}, 4)
+	dp = mustParams(t, string(out))
+	before := eng.Agents()
+	makes := 0
+	for _, a := range before {
+		makes += a.CountCalls("MakeXfer")
+	}
+	if _, err := d.sched.UpdateStateAfterAlloc("req-b", dp, nil, []int64{1}, 0); err != nil {
+		t.Fatal(err)
+	}
+	d.step(t)
+	p.waitFinished(t, "notify-only frees prefill", func(f Finished) bool { return contains(f.Sending, "req-b") })
+	after := 0
+	for _, a := range eng.Agents() {
+		after += a.CountCalls("MakeXfer")
+	}
+	if after != makes {
+		t.Errorf("a full prefix hit posted a transfer")
+	}
+	if f := d.finished(t); contains(f.Recving, "req-b") {
+		t.Error("notify-only request reported as received")
+	}
+}
+
+func TestAbortBeforeScheduleSendsNotify(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
+	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
+	out := prefill(t, p, "req-x", []int64{1, 2}, 8)
+	dp := mustParams(t, string(out))
+	d.sched.OnNewRequest("req-dx", dp)
+	// Aborted while still waiting: request_finished with do_remote_prefill.
+	delay, params, err := d.sched.RequestFinished("req-dx", dp, false, 0, BlockIDs{{}})
+	if delay || params != nil || err != nil {
+		t.Fatalf("abort: %v %s %v", delay, params, err)
+	}
+	d.step(t)
+	p.waitFinished(t, "abort notify", func(f Finished) bool { return contains(f.Sending, "req-x") })
+}
+
+func TestTransferFailureReportsInvalidBlocks(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
+	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
+	out := prefill(t, p, "req-f", []int64{3, 4}, 8)
+	dp := mustParams(t, string(out))
+	eng.Agent(d.work.agent.Name()).SetScript(nixltest.Script{FailStep: nixltest.StepCheck, FailStatus: nixl.ErrRemoteDiscon})
+	if _, err := d.sched.UpdateStateAfterAlloc("req-f", dp, BlockIDs{{10, 11}}, []int64{0}, 8); err != nil {
+		t.Fatal(err)
+	}
+	d.step(t)
+	f := d.waitFinished(t, "failed recv", func(f Finished) bool { return contains(f.Recving, "req-f") })
+	if !contains(f.Failed, "req-f") {
+		t.Fatalf("failure not reported: %+v", f)
+	}
+	if got := d.work.LoadErrors(); len(got) != 2 || got[0] != 10 || got[1] != 11 {
+		t.Fatalf("load errors %v, want [10 11]", got)
+	}
+	if got := d.work.LoadErrors(); len(got) != 0 {
+		t.Fatalf("load errors not cleared: %v", got)
+	}
+	var st map[string][]float64
+	_ = json.Unmarshal(d.work.Stats(), &st)
+	if len(st["num_failed_transfers"]) != 1 {
+		t.Errorf("stats %v", st)
+	}
+	// The dead peer was dropped: the next request re-handshakes.
+	if _, ok := d.work.remotes["engine-p"]; ok {
+		t.Error("remote engine kept after ERR_REMOTE_DISCONNECT")
+	}
+}
+
+func TestOutOfRangeBlocksNeverPosted(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
+	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
+	for name, tc := range map[string]struct {
+		remote string
+		local  []int64
+	}{
+		"remote beyond peer":     {`[[3, 99999]]`, []int64{1, 2}},
+		"local beyond ours":      {`[[3, 4]]`, []int64{1, tNumBlocks}},
+		"more local than remote": {`[[3]]`, []int64{1, 2}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			js := fmt.Sprintf(`{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": %s,
+				"remote_engine_id": "engine-p", "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": %d, "tp_size": 1}`, tc.remote, p.port)
+			dp := mustParams(t, js)
+			makes := 0
+			for _, a := range eng.Agents() {
+				makes += a.CountCalls("MakeXfer")
+			}
+			id := "bad-" + strings.ReplaceAll(name, " ", "-")
+			if _, err := d.sched.UpdateStateAfterAlloc(id, dp, BlockIDs{tc.local}, []int64{0}, 8); err != nil {
+				t.Fatal(err)
+			}
+			d.step(t)
+			f := d.waitFinished(t, "rejection", func(f Finished) bool { return contains(f.Recving, id) })
+			if !contains(f.Failed, id) {
+				t.Fatalf("not failed: %+v", f)
+			}
+			after := 0
+			for _, a := range eng.Agents() {
+				after += a.CountCalls("MakeXfer")
+			}
+			if after != makes {
+				t.Fatal("a transfer was built for out-of-range blocks")
+			}
+		})
+	}
+}
+
+func TestUnreachableSideChannelFailsRequest(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, map[string]any{"handshake_timeout": 1})
+	dead := freePort(t)
+	dp := mustParams(t, fmt.Sprintf(`{"do_remote_prefill": true, "remote_block_ids": [[1]], "remote_engine_id": "gone",
+		"remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": %d, "tp_size": 1}`, dead))
+	if _, err := d.sched.UpdateStateAfterAlloc("req-u", dp, BlockIDs{{1}}, []int64{0}, 4); err != nil {
+		t.Fatal(err)
+	}
+	d.step(t)
+	f := d.waitFinished(t, "handshake failure", func(f Finished) bool { return contains(f.Recving, "req-u") })
+	if !contains(f.Failed, "req-u") {
+		t.Fatalf("not failed: %+v", f)
+	}
+	var st map[string][]float64
+	_ = json.Unmarshal(d.work.Stats(), &st)
+	if len(st["num_failed_handshakes"]) != 1 {
+		t.Errorf("stats %v", st)
+	}
+}
+
+func TestLeaseExpiryHeartbeatAndFullSweep(t *testing.T) {
+	clock := NewFakeClock(500)
+	eng := nixltest.NewEngine("t")
+	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, map[string]any{"kv_lease_duration": 30})
+	prefill(t, p, "req-1", []int64{1}, 4)
+	clock.Advance(10)
+	prefill(t, p, "req-2", []int64{2}, 4) // expires 10 s later than req-1
+	agent := eng.Agent(p.work.agent.Name())
+
+	clock.Advance(19) // req-1 at 29 s of 30
+	if f := p.finished(t); len(f.Sending) != 0 {
+		t.Fatalf("released early: %+v", f)
+	}
+	// A heartbeat extends req-1 to now + 20 s.
+	agent.Inject("decoder", []byte("HB:req-1,unknown"))
+	clock.Advance(5) // req-1's original lease has passed
+	if f := p.finished(t); len(f.Sending) != 0 {
+		t.Fatalf("heartbeat did not extend the lease: %+v", f)
+	}
+	// The heartbeat was handled at t=534 (the poll after Inject): req-1 now
+	// expires at 554, req-2 at 540.
+	clock.Advance(21)
+	f := p.finished(t)
+	if !contains(f.Sending, "req-1") || !contains(f.Sending, "req-2") {
+		t.Fatalf("full sweep freed %v, want both", f.Sending)
+	}
+	// A read that completes after expiry is counted, not trusted.
+	agent.Inject("decoder", []byte("req-1:1"))
+	if f := p.finished(t); len(f.Sending) != 0 {
+		t.Fatalf("late notification freed again: %+v", f)
+	}
+	var st map[string][]float64
+	_ = json.Unmarshal(p.work.Stats(), &st)
+	if len(st["num_kv_expired_reqs"]) != 2 || len(st["num_notifications_after_expiry"]) != 1 {
+		t.Errorf("stats %v", st)
+	}
+	text, err := p.work.MetricsText()
+	if err != nil || !bytes.Contains(text, []byte(`vllm:nixl_num_kv_expired_reqs{engine_id="engine-p"} 2`)) {
+		t.Errorf("prometheus text lacks the expiry counter (err %v):\n%s", err, text)
+	}
+}
+
+func TestNotificationBeforeLeaseMetadata(t *testing.T) {
+	// Async scheduling: the decode's completion can arrive after
+	// reqs_in_batch but before the step that carries the lease.
+	eng := nixltest.NewEngine("t")
+	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
+	in := mustParams(t, `{"do_remote_decode": true}`)
+	if _, err := p.sched.UpdateStateAfterAlloc("req-early", in, nil, nil, 0); err != nil {
+		t.Fatal(err)
+	}
+	p.step(t)
+	eng.Agent(p.work.agent.Name()).Inject("decoder", []byte("req-early:1"))
+	f := p.finished(t)
+	if !contains(f.Sending, "req-early") {
+		t.Fatalf("early notification lost: %+v", f)
+	}
+	if _, _, err := p.sched.RequestFinished("req-early", in, true, 4, BlockIDs{{1}}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestHeartbeatSchedule(t *testing.T) {
+	clock := NewFakeClock(100)
+	s, err := NewScheduler(testConfig(t, RoleScheduler, "kv_consumer", "d", 1, map[string]any{"kv_lease_duration": 30}), clock.Now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dp := mustParams(t, `{"do_remote_prefill": true, "remote_block_ids": [[1]], "remote_engine_id": "p",
+		"remote_request_id": "rp", "remote_host": "h", "remote_port": 7, "tp_size": 1}`)
+	s.OnNewRequest("rd", dp)
+	hb := func() map[string]*HeartbeatInfo {
+		b, err := s.BuildMeta()
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := DecodeStepMeta(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m.Heartbeats
+	}
+	if h := hb(); h["p"] == nil || h["p"].ReqIDs[0] != "rp" || h["p"].Port != 7 {
+		t.Fatalf("first step heartbeats %v", h)
+	}
+	clock.Advance(4.9)
+	if h := hb(); h != nil {
+		t.Fatalf("heartbeat before the interval (lease/6 = 5 s): %v", h)
+	}
+	clock.Advance(0.2)
+	if h := hb(); h == nil {
+		t.Fatal("no heartbeat after 5 s")
+	}
+	s.UpdateConnectorOutput([]string{"rd"})
+	clock.Advance(10)
+	if h := hb(); h != nil {
+		t.Fatalf("heartbeat after the KV arrived: %v", h)
+	}
+}
+
+func TestAbortedPrefillNotProcessed(t *testing.T) {
+	s, err := NewScheduler(testConfig(t, RoleScheduler, "kv_producer", "p", 1, nil), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := mustParams(t, `{"do_remote_decode": true}`)
+	delay, out, err := s.RequestFinished("r", in, false, 4, BlockIDs{{1}})
+	if delay || out != nil || err != nil {
+		t.Fatalf("aborted prefill: %v %s %v", delay, out, err)
+	}
+	b, _ := s.BuildMeta()
+	m, _ := DecodeStepMeta(b)
+	if len(m.ReqsNotProcessed) != 1 || m.ReqsNotProcessed[0] != "r" || len(m.ReqsToSend) != 0 {
+		t.Fatalf("meta %+v", m)
+	}
+}
+
+func TestStepMetaGarbage(t *testing.T) {
+	for _, b := range [][]byte{nil, {0xc1}, []byte("not msgpack"), {0x81, 0xa1, 'v', 0x63}} {
+		if _, err := DecodeStepMeta(b); err == nil {
+			t.Errorf("DecodeStepMeta(%x) accepted garbage", b)
+		}
+	}
+}
