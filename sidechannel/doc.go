@@ -38,12 +38,13 @@
 //     allocation; connections are capped and have handshake and idle
 //     deadlines.
 //   - The ZeroMQ layer is a small ZMTP 3.1 (NULL mechanism) implementation
-//     in this package, tested against libzmq through pyzmq. It is used instead
-//     of github.com/go-zeromq/zmq4 (v0.17.0) because that library allocates a
-//     frame of whatever size the peer announces before reading it, runs each
-//     peer's ZMTP greeting inside its accept loop without a deadline (one
-//     silent peer blocks every later one), and its ROUTER keys peers by the
-//     identity they announce, which is empty for every libzmq REQ peer.
+//     in this package (zmtp.go), tested against libzmq through pyzmq and
+//     vLLM's own listener and handshake code. It is used instead of
+//     github.com/go-zeromq/zmq4 v0.17.0 because that library allocates a frame
+//     of whatever size the peer announces before reading it (no way to
+//     enforce MaxFrameSize), and runs each peer's ZMTP greeting inside its
+//     accept loop without a deadline: one TCP peer that connects and stays
+//     silent blocks every later peer (reproduced with a pyzmq REQ client).
 //   - Optional shared-secret authentication (auth.go): HMAC-SHA256 over
 //     request and reply. With no secret the wire bytes are exactly vLLM's.
 //     A secret on one side only fails the handshake with a message that says

@@ -215,7 +215,11 @@ func (l *Listener) serve(c net.Conn) {
 func (l *Listener) handle(body [][]byte) [][]byte {
 	fail := func(code, msg string) [][]byte {
 		l.refused.Add(1)
-		l.log.Warn("side-channel request refused", zap.String("code", code), zap.String("reason", msg))
+		lvl := zap.WarnLevel
+		if code == codeNotReady { // clients poll until the payload is set
+			lvl = zap.DebugLevel
+		}
+		l.log.Log(lvl, "side-channel request refused", zap.String("code", code), zap.String("reason", msg))
 		return [][]byte{errorPayload(code, msg), EncodeClock(l.cfg.Clock())}
 	}
 	if len(body) != 1 {
