@@ -1,8 +1,11 @@
 package sidechannel
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"sort"
 	"strconv"
@@ -261,4 +264,64 @@ func pyJSONString(b *strings.Builder, s string) error {
 	}
 	b.WriteByte('"')
 	return nil
+}
+
+// HashFactorsJSON hashes a factor dictionary that arrives as JSON (for
+// example json.dumps of the dict vLLM builds, passed down from Python) after
+// adding TransferEngineFactor under the same rule as CompatFactors (only when
+// engineKind is neither "" nor "nixl"). Numbers must be integers.
+func HashFactorsJSON(factorsJSON []byte, engineKind string) (string, error) {
+	d := json.NewDecoder(bytes.NewReader(factorsJSON))
+	d.UseNumber()
+	var v any
+	if err := d.Decode(&v); err != nil {
+		return "", fmt.Errorf("sidechannel: hash factors: %w", err)
+	}
+	if d.More() {
+		return "", errors.New("sidechannel: hash factors: trailing data after the JSON object")
+	}
+	m, ok := v.(map[string]any)
+	if !ok {
+		return "", errors.New("sidechannel: hash factors must be a JSON object")
+	}
+	nv, err := intNumbers(m, 0)
+	if err != nil {
+		return "", err
+	}
+	m = nv.(map[string]any)
+	if engineKind != "" && engineKind != StockTransferEngine {
+		m[TransferEngineFactor] = engineKind
+	}
+	return HashFactors(m)
+}
+
+func intNumbers(v any, depth int) (any, error) {
+	if depth > maxDepth {
+		return nil, errors.New("sidechannel: hash factors nested too deeply")
+	}
+	switch x := v.(type) {
+	case json.Number:
+		n, err := x.Int64()
+		if err != nil {
+			return nil, fmt.Errorf("sidechannel: hash factor %s is not an int64 (floats are not hashed the Python way)", x)
+		}
+		return n, nil
+	case []any:
+		for i := range x {
+			e, err := intNumbers(x[i], depth+1)
+			if err != nil {
+				return nil, err
+			}
+			x[i] = e
+		}
+	case map[string]any:
+		for k := range x {
+			e, err := intNumbers(x[k], depth+1)
+			if err != nil {
+				return nil, err
+			}
+			x[k] = e
+		}
+	}
+	return v, nil
 }

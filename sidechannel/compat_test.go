@@ -52,3 +52,26 @@ func TestPythonJSON(t *testing.T) {
 		t.Error("float accepted")
 	}
 }
+
+func TestHashFactorsJSON(t *testing.T) {
+	f := baseFactors()
+	js := `{"vllm_version": "0.32.0", "nixl_connector_version": 14, "model": "Qwen/Qwen3-0.6B", "dtype": "torch.bfloat16",
+		"num_kv_heads": 8, "head_size": 128, "num_hidden_layers": 28, "attn_backend_name": "CPU_ATTN", "cache_dtype": "auto",
+		"is_hma_enabled": true, "speculative_config": null, "transfer_mode": "pull"}`
+	want, _ := CompatibilityHash(&f)
+	for _, kind := range []string{"", "nixl"} {
+		if got, err := HashFactorsJSON([]byte(js), kind); err != nil || got != want {
+			t.Errorf("kind %q: got %s, %v; want %s", kind, got, err, want)
+		}
+	}
+	f.TransferEngine = "ucx"
+	want, _ = CompatibilityHash(&f)
+	if got, err := HashFactorsJSON([]byte(js), "ucx"); err != nil || got != want {
+		t.Errorf("kind ucx: got %s, %v; want %s", got, err, want)
+	}
+	for _, bad := range []string{`[1]`, `{"a": 1.5}`, `{"a": 1} {}`, `{`} {
+		if _, err := HashFactorsJSON([]byte(bad), ""); err == nil {
+			t.Errorf("%s accepted", bad)
+		}
+	}
+}

@@ -299,6 +299,45 @@ def test_hash_factors_match_python(scpeer):
         assert run(scpeer, "hash", stdin=json.dumps(factors)).stdout.strip() == hash_factors(factors), factors
 
 
+@pytest.mark.parametrize("kind", ["", "nixl", "ucx"])
+def test_engine_kind_factor(scpeer, kind):
+    factors = {"vllm_version": "0.32.0", "nixl_connector_version": 14, "transfer_mode": "pull"}
+    expected = dict(factors, gonixl_transfer_engine=kind) if kind == "ucx" else factors
+    want = hashlib.sha256(json.dumps(expected, sort_keys=True).encode()).hexdigest()
+    got = subprocess.run([scpeer, "hash"], input=json.dumps(factors), capture_output=True, text=True,
+                         env=dict(os.environ, SCPEER_ENGINE_KIND=kind), check=True).stdout.strip()
+    assert got == want
+
+
+def _fake_vllm_config(spec=None):
+    ns = types.SimpleNamespace
+    model = ns(model="Qwen/Qwen3-0.6B", dtype="torch.bfloat16", get_total_num_kv_heads=lambda: 8,
+               get_head_size=lambda: 128, get_total_num_hidden_layers=lambda: 28)
+    return ns(model_config=model, cache_config=ns(cache_dtype="auto"),
+              scheduler_config=ns(disable_hybrid_kv_cache_manager=False), speculative_config=spec)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_compat_hash_matches_vllm_function(scpeer, vllm_nixl, mode, speculative):
+    """vLLM's own compute_nixl_compatibility_hash against sidechannel.CompatibilityHash."""
+    import vllm
+
+    spec, go_spec = None, None
+    if speculative:
+        ns = types.SimpleNamespace
+        draft = ns(model="eagle-draft", revision=None, code_revision="main",
+                   hf_config=ns(eagle_aux_hidden_state_layer_ids=[1, 5, 9]))
+        spec = ns(use_eagle=lambda: True, draft_model_config=draft, method="eagle3", parallel_drafting=True, kv_cache_dtype=None)
+        go_spec = {"Method": "eagle3", "Model": "eagle-draft", "Revision": None, "CodeRevision": "main",
+                   "ParallelDrafting": True, "KVCacheDType": "auto", "AuxiliaryLayerIDs": [1, 5, 9]}
+    want = vllm_nixl.compute_nixl_compatibility_hash(_fake_vllm_config(spec), "CPU_ATTN", transfer_mode=mode)
+    factors = {"VLLMVersion": vllm.__version__, "Model": "Qwen/Qwen3-0.6B", "DType": "torch.bfloat16", "NumKVHeads": 8,
+               "HeadSize": 128, "NumHiddenLayers": 28, "AttnBackendName": "CPU_ATTN", "CacheDType": "auto",
+               "IsHMAEnabled": True, "Speculative": go_spec, "TransferMode": mode, "TransferEngine": "nixl"}
+    assert run(scpeer, "compat", stdin=json.dumps(factors)).stdout.strip() == want
+
+
 # ---------------------------------------------------------------- ZMQ both ways
 
 

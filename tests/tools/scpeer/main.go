@@ -5,7 +5,8 @@
 //	scpeer encode            stdin {"hash": str, "metadata": {...}} -> hex NixlHandshakePayload
 //	scpeer decode            stdin hex NixlHandshakePayload -> {"hash": str, "metadata": {...}}
 //	scpeer decode-many       stdin lines "payload|metadata|request <hex>" -> lines "ok" / "err <msg>"
-//	scpeer hash              stdin {factor: value} -> hex SHA-256 (HashFactors)
+//	scpeer hash              stdin {factor: value} -> hex SHA-256 (HashFactorsJSON, engine kind from $SCPEER_ENGINE_KIND)
+//	scpeer compat            stdin CompatFactors as JSON (Go field names) -> CompatibilityHash
 //	scpeer serve  -payloads FILE [-secret S]
 //	                         FILE lines "pp tp hex"; prints "PORT n", serves until stdin closes
 //	scpeer fetch  -port N -engine E -hash H -ranks 0:0,0:1 [-secret S] [-allow-mismatch]
@@ -45,6 +46,8 @@ func main() {
 		err = decodeMany()
 	case "hash":
 		err = hashCmd()
+	case "compat":
+		err = compatCmd()
 	case "serve":
 		err = serve(os.Args[2:])
 	case "fetch":
@@ -135,13 +138,7 @@ func hashCmd() error {
 	if err != nil {
 		return err
 	}
-	d := json.NewDecoder(strings.NewReader(string(b)))
-	d.UseNumber()
-	var v map[string]any
-	if err := d.Decode(&v); err != nil {
-		return err
-	}
-	h, err := sidechannel.HashFactors(normalize(v).(map[string]any))
+	h, err := sidechannel.HashFactorsJSON(b, os.Getenv("SCPEER_ENGINE_KIND"))
 	if err != nil {
 		return err
 	}
@@ -149,22 +146,21 @@ func hashCmd() error {
 	return nil
 }
 
-// normalize turns json.Number into int64 (the factors hold no floats).
-func normalize(v any) any {
-	switch x := v.(type) {
-	case json.Number:
-		n, _ := x.Int64()
-		return n
-	case []any:
-		for i := range x {
-			x[i] = normalize(x[i])
-		}
-	case map[string]any:
-		for k := range x {
-			x[k] = normalize(x[k])
-		}
+func compatCmd() error {
+	b, err := readStdin()
+	if err != nil {
+		return err
 	}
-	return v
+	var f sidechannel.CompatFactors
+	if err := json.Unmarshal(b, &f); err != nil {
+		return err
+	}
+	h, err := sidechannel.CompatibilityHash(&f)
+	if err != nil {
+		return err
+	}
+	fmt.Println(h)
+	return nil
 }
 
 func serve(args []string) error {
