@@ -55,7 +55,10 @@
 // Scheduler side: NewListener(ListenerConfig), Listener.SetPayload(pp, tp,
 // HandshakePayload.Encode()), Listener.Stop. Worker side:
 // NewClient(ClientConfig), Client.Start (returns a Future) or Client.Handshake
-// (blocking), Client.Close. Configuration comes in as plain structs;
+// (blocking), Client.Close. Compatibility hash: CompatibilityHash(values) or
+// HashFactorsJSON(json.dumps(factors), engineKind). Wire types:
+// HandshakePayload, AgentMetadata and their Encode/Decode functions.
+// Configuration comes in as plain structs;
 // FromEnv(os.Getenv) and ResolveSecret are the only readers of environment
 // variables.
 //
