@@ -67,7 +67,9 @@ func newBenchPair(tb testing.TB, block, n int, progress bool) *benchPair {
 	return p
 }
 
-func tbName(tb testing.TB) string { return "bench-" + reflect.TypeOf(tb).Elem().Name() + "-" + tb.Name() }
+func tbName(tb testing.TB) string {
+	return "bench-" + reflect.TypeOf(tb).Elem().Name() + "-" + tb.Name()
+}
 
 func addrOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(&b[0]))) }
 
