@@ -141,3 +141,12 @@ func TestTransferSmoke(t *testing.T) {
 		t.Errorf("output:\n%s", out.String())
 	}
 }
+
+func TestKeepBest(t *testing.T) {
+	a := []result{{Op: "read", Block: 1, Batch: 1, GBps: 1}, {Op: "read", Block: 2, Batch: 1, GBps: 5}}
+	b := []result{{Op: "read", Block: 1, Batch: 1, GBps: 3}, {Op: "read", Block: 2, Batch: 1, GBps: 4}, {Op: "write", Block: 1, Batch: 1, GBps: 2}}
+	got := keepBest(a, b)
+	if len(got) != 3 || got[0].GBps != 3 || got[1].GBps != 5 || got[2].Op != "write" {
+		t.Fatalf("%+v", got)
+	}
+}
