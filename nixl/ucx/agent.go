@@ -92,6 +92,7 @@ type agent struct {
 	epInfo    string
 	dropped   uint64
 	prog      *progressThread
+	polled    time.Time // last progress by a caller (Check), see progress.go
 }
 
 func (e *engine) NewAgent(cfg nixl.AgentConfig) (nixl.Agent, error) {

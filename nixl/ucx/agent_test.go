@@ -61,8 +61,10 @@ type pairT struct {
 }
 
 func newPair(t testing.TB, n int, params map[string]string, progress bool) *pairT {
-	p := &pairT{a: newAgent(t, "A", params, progress), b: newAgent(t, "B", params, progress)}
-	p.bufA, p.bufB = mmapBuf(t, n), mmapBuf(t, n)
+	// Memory first: cleanups run last-in first-out, so the agents close
+	// before their registered memory is unmapped.
+	p := &pairT{bufA: mmapBuf(t, n), bufB: mmapBuf(t, n)}
+	p.a, p.b = newAgent(t, "A", params, progress), newAgent(t, "B", params, progress)
 	if err := p.a.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(p.bufA), Len: uint64(n)}}); err != nil {
 		t.Fatal(err)
 	}
@@ -248,9 +250,9 @@ func TestRemoteOutsideAdvertised(t *testing.T) {
 }
 
 func TestGarbageMetadata(t *testing.T) {
+	buf := mmapBuf(t, 4096)
 	a := newAgent(t, "A", nil, false)
 	b := newAgent(t, "B", nil, false)
-	buf := mmapBuf(t, 4096)
 	if err := b.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(buf), Len: 4096}}); err != nil {
 		t.Fatal(err)
 	}

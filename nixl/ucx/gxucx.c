@@ -413,12 +413,13 @@ unsigned gx_progress(gx_agent *a, unsigned max)
     return total;
 }
 
-int gx_progress_arm(gx_agent *a)
+int gx_progress_arm(gx_agent *a, int arm)
 {
-    ucs_status_t st;
-    gx_progress(a, 64);
-    st = G.worker_arm(a->worker);
-    return st == UCS_OK ? 1 : 0;
+    unsigned n = gx_progress(a, 64);
+    if (n > 0 || !arm) {
+        return (int)n;
+    }
+    return G.worker_arm(a->worker) == UCS_OK ? -1 : 0;
 }
 
 void gx_wait(int efd, int wakefd, int timeout_ms)

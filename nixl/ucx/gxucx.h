@@ -70,9 +70,10 @@ int gx_worker_address(gx_agent *a, void **out, size_t *len);
 /* Progresses the worker until it has nothing to do (at most max rounds) and
  * reaps completed fire-and-forget sends. Returns the events processed. */
 unsigned gx_progress(gx_agent *a, unsigned max);
-/* Progress then arm the worker's event fd. Returns 1 when the caller may
- * sleep on the fd, 0 when there is more work. */
-int gx_progress_arm(gx_agent *a);
+/* Progress; when that found nothing to do and arm is set, arm the worker's
+ * event fd. Returns -1 when armed (the caller may sleep on the fd), else the
+ * number of events processed (0: idle but not armed, or arm said busy). */
+int gx_progress_arm(gx_agent *a, int arm);
 /* Blocks in poll(2) on the worker fd and wakefd for at most timeout_ms.
  * Does not touch the worker: call it without the Go mutex. */
 void gx_wait(int efd, int wakefd, int timeout_ms);

@@ -193,8 +193,8 @@ func TestPeerKilledMidTransfer(t *testing.T) {
 }
 
 func peerKilled(t *testing.T, mode string) {
-	a := newAgent(t, "parent", map[string]string{ParamErrMode: mode}, false)
 	dst := mmapBuf(t, 64<<20)
+	a := newAgent(t, "parent", map[string]string{ParamErrMode: mode}, false)
 	if err := a.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(dst), Len: uint64(len(dst))}}); err != nil {
 		t.Fatal(err)
 	}

@@ -16,6 +16,12 @@ import (
 // wakeup, so the thread also progresses on this period.
 const waitMs = 2
 
+// spinWindow: after the worker last had work, the thread keeps polling this
+// long before it sleeps. A target serving software-emulated RMA (UCX 1.13
+// over shared memory or tcp) copies every fragment on this thread, and a
+// sleep/wake per fragment would cost more than the copy.
+const spinWindow = 200 * time.Microsecond
+
 // progressThread progresses one agent's worker on a dedicated, locked OS
 // thread: progress and arm under the agent mutex, then poll(2) on the
 // worker's event fd and a wake pipe without it.
@@ -34,16 +40,31 @@ func startProgress(a *agent, efd int) (*progressThread, error) {
 	go func() {
 		runtime.LockOSThread()
 		defer close(pt.done)
+		last := time.Now()
 		for {
 			a.mu.Lock()
 			if a.closing || a.closed {
 				a.mu.Unlock()
 				return
 			}
-			armed := C.gx_progress_arm(a.c)
+			// Spin only while nobody else progresses this worker: a caller
+			// polling Check already does, and on few cores two spinners
+			// would steal each other's time slices.
+			now := time.Now()
+			spin := now.Sub(last) < spinWindow && now.Sub(a.polled) >= spinWindow
+			arm := C.int(1)
+			if spin {
+				arm = 0
+			}
+			n := C.gx_progress_arm(a.c, arm)
 			a.mu.Unlock()
-			if armed == 1 {
+			switch {
+			case n > 0:
+				last = time.Now()
+			case n < 0:
 				C.gx_wait(C.int(efd), wakefd, waitMs)
+			default:
+				runtime.Gosched()
 			}
 		}
 	}()

@@ -123,6 +123,9 @@ func (x *xfer) checkLocked(fn string) (nixl.Status, error) {
 		return nixl.ErrInvalidParam, err
 	}
 	rc := C.gx_check(x.a.c, x.peer.ep, x.c, 1)
+	if x.a.prog != nil {
+		x.a.polled = time.Now()
+	}
 	if rc == 1 && x.peer.checkDead(time.Now()) {
 		err := nixl.Errorf(nixl.ErrRemoteDiscon, fn, "transfer to %s: %s", x.peer.name, x.peer.deadWhy)
 		x.final, x.finalErr = nixl.ErrRemoteDiscon, err

@@ -1,0 +1,60 @@
+package ucx
+
+import (
+	"testing"
+	"time"
+
+	"github.com/gonixl/gonixl/nixl"
+)
+
+// BenchmarkRead64 measures a 64-descriptor scattered READ between two
+// agents in this process (go test -bench Read64 ./nixl/ucx).
+func BenchmarkRead64(b *testing.B) {
+	for _, blk := range []int{32 << 10, 1 << 20} {
+		b.Run(sizeName(blk), func(b *testing.B) {
+			const n = 64
+			p := newPair(b, 2*n*blk, map[string]string{ParamErrMode: "none"}, false)
+			ld, rd := make([]nixl.Desc, 2*n), make([]nixl.Desc, 2*n)
+			for i := range ld {
+				ld[i] = nixl.Desc{Addr: addrOf(p.bufA) + uint64(i*blk), Len: uint64(blk)}
+				rd[i] = nixl.Desc{Addr: addrOf(p.bufB) + uint64(i*blk), Len: uint64(blk)}
+			}
+			l, _ := p.a.PrepDescList("", nixl.DRAM, ld)
+			r, _ := p.a.PrepDescList("B", nixl.DRAM, rd)
+			li, ri := make([]int32, n), make([]int32, n)
+			for i := range li {
+				li[i], ri[i] = int32(2*i), int32(2*i+1)
+			}
+			x, err := p.a.MakeXfer(nixl.Read, l, li, r, ri, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.SetBytes(int64(n * blk))
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				x.Post()
+				if st, err := wait(b, x, p.b, time.Minute); st != nixl.Success {
+					b.Fatal(st, err)
+				}
+			}
+		})
+	}
+}
+
+func sizeName(n int) string {
+	if n >= 1<<20 {
+		return itoa(n>>20) + "MiB"
+	}
+	return itoa(n>>10) + "KiB"
+}
+
+func itoa(n int) string {
+	s := ""
+	for {
+		s = string(rune('0'+n%10)) + s
+		n /= 10
+		if n == 0 {
+			return s
+		}
+	}
+}
