@@ -13,7 +13,7 @@ import (
 
 func TestMain(m *testing.M) {
 	conformance.MaybePeer()
-	os.Exit(m.Run())
+	conformance.Exit(m.Run())
 }
 
 func requireNIXL(t *testing.T) {

@@ -2,7 +2,6 @@ package nixltest_test
 
 import (
 	"errors"
-	"os"
 	"reflect"
 	"syscall"
 	"testing"
@@ -14,7 +13,7 @@ import (
 
 func TestMain(m *testing.M) {
 	conformance.MaybePeer()
-	os.Exit(m.Run())
+	conformance.Exit(m.Run())
 }
 
 // The fake passes every conformance case that needs no second process.

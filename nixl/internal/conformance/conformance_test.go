@@ -1,7 +1,6 @@
 package conformance
 
 import (
-	"os"
 	"strings"
 	"testing"
 	"time"
@@ -12,7 +11,7 @@ import (
 
 func TestMain(m *testing.M) {
 	MaybePeer()
-	os.Exit(m.Run())
+	Exit(m.Run())
 }
 
 // The peer plumbing itself: start, hello, a request, clean exit, kill.

@@ -6,7 +6,7 @@
 //
 //	func TestMain(m *testing.M) {
 //		conformance.MaybePeer() // never returns when this process is a peer
-//		os.Exit(m.Run())
+//		conformance.Exit(m.Run()) // os.Exit, safe under -race with native threads
 //	}
 //
 //	func TestConformance(t *testing.T) { conformance.Run(t, "ucx") }
@@ -39,7 +39,7 @@
 // Available() fails is skipped with that reason; anything else that fails
 // is a test failure. Every wait has a deadline.
 //
-// API stability: Run, RunConfig, RunInProcess, MaybePeer, Config and Shape
+// API stability: Run, RunConfig, RunInProcess, MaybePeer, Exit, Config and Shape
 // are used by every engine's tests; add fields and functions, do not change
 // existing ones.
 //
