@@ -8,7 +8,6 @@ package libnixl
 import "C"
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -142,5 +141,3 @@ func LibraryPath() string {
 	}
 	return loadedLib
 }
-
-var errClosed = errors.New("agent is closed")
