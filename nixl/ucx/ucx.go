@@ -217,3 +217,6 @@ func rcError(rc C.int, op, what string) error {
 }
 
 var errClosed = errors.New("agent closed")
+
+// statusOfInt is statusOf for Go callers (tests).
+func statusOfInt(rc int) nixl.Status { return statusOf(C.int(rc)) }
