@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sort"
 )
 
 // object is a JSON object whose values are kept as raw bytes, so that fields
@@ -48,7 +49,46 @@ func (o object) setString(key, v string) {
 	o[key] = b
 }
 
-func (o object) marshal() ([]byte, error) { return json.Marshal(o) }
+// marshal encodes the object with sorted keys. Values are written as they
+// are: they were validated when parsed, or made by this package.
+func (o object) marshal() ([]byte, error) {
+	keys := make([]string, 0, len(o))
+	n := 2
+	for k, v := range o {
+		keys = append(keys, k)
+		n += len(k) + len(v) + 4
+	}
+	sort.Strings(keys)
+	out := make([]byte, 0, n)
+	out = append(out, '{')
+	for i, k := range keys {
+		if i > 0 {
+			out = append(out, ',')
+		}
+		out = appendJSONString(out, k)
+		out = append(out, ':')
+		v := o[k]
+		if len(v) == 0 {
+			return nil, fmt.Errorf("field %q has no value", k)
+		}
+		out = append(out, v...)
+	}
+	return append(out, '}'), nil
+}
+
+// appendJSONString appends s as a JSON string; plain ASCII is copied, the
+// rest goes through encoding/json.
+func appendJSONString(dst []byte, s string) []byte {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c >= 0x7f || c == '"' || c == '\\' || c == '<' || c == '>' || c == '&' {
+			b, _ := json.Marshal(s) // a string always marshals
+			return append(dst, b...)
+		}
+	}
+	dst = append(dst, '"')
+	dst = append(dst, s...)
+	return append(dst, '"')
+}
 
 // isTrue reports whether key holds the JSON literal true.
 func (o object) isTrue(key string) bool {

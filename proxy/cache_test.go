@@ -133,3 +133,21 @@ func TestKVParamsTruthiness(t *testing.T) {
 		}
 	}
 }
+
+func TestObjectMarshal(t *testing.T) {
+	o, err := parseObject([]byte(`{"b": [1, 2], "a\"q": "x\u00e9", "<k>": {"n": null}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := o.marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := `{"\u003ck\u003e":{"n": null},"a\"q":"x\u00e9","b":[1, 2]}`; string(got) != want {
+		t.Errorf("marshal = %s, want %s", got, want)
+	}
+	back, err := parseObject(got)
+	if err != nil || len(back) != 3 || string(back["b"]) != "[1, 2]" {
+		t.Errorf("round trip: %v %v", back, err)
+	}
+}

@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"strconv"
+
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -35,6 +37,20 @@ type metrics struct {
 	cacheMisses     prometheus.Counter
 	cacheStale      prometheus.Counter
 	cacheEntries    prometheus.GaugeFunc
+
+	// Series resolved once: a vector's label lookup takes a read lock that
+	// all requests would share.
+	prefillLatency, decodeLatency, prefillTotal, decodeTotal prometheus.Observer
+	ok200                                                    map[string]prometheus.Counter // route → requests{code="200"}
+}
+
+// countRequest counts a finished client request.
+func (m *metrics) countRequest(route string, code int) {
+	if c, ok := m.ok200[route]; ok && code == 200 {
+		c.Inc()
+		return
+	}
+	m.requests.WithLabelValues(route, strconv.Itoa(code)).Inc()
 }
 
 // latencyBuckets spans 0.5 ms (proxy-local fakes) to 10 min (long CPU
@@ -91,10 +107,11 @@ func newMetrics(reg prometheus.Registerer, cacheLen func() float64) (*metrics, e
 			return nil, err
 		}
 	}
-	// Pre-create the role series so they are visible before the first request.
-	for _, role := range []string{rolePrefill, roleDecode} {
-		m.upstreamLatency.WithLabelValues(role)
-		m.upstreamTotal.WithLabelValues(role)
+	m.prefillLatency, m.decodeLatency = m.upstreamLatency.WithLabelValues(rolePrefill), m.upstreamLatency.WithLabelValues(roleDecode)
+	m.prefillTotal, m.decodeTotal = m.upstreamTotal.WithLabelValues(rolePrefill), m.upstreamTotal.WithLabelValues(roleDecode)
+	m.ok200 = map[string]prometheus.Counter{}
+	for _, route := range []string{"completions", "chat_completions"} {
+		m.ok200[route] = m.requests.WithLabelValues(route, "200")
 	}
 	return m, nil
 }

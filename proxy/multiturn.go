@@ -7,9 +7,11 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // serveMultiturn is disagg_proxy_multiturn.py's request path.
@@ -38,7 +40,7 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 		if result == Hit {
 			b, err := forPrefillPull(cached)
 			if err != nil { // cannot happen: the cache only holds objects
-				ex.log.Warn("dropping unusable cached params", zap.Error(err))
+				ex.logAt(zapcore.WarnLevel, "dropping unusable cached params", zap.Error(err))
 				result = Miss
 			} else {
 				params = b
@@ -54,7 +56,7 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 	default:
 		p.m.cacheMisses.Inc()
 	}
-	ex.log.Debug("conversation cache", zap.String("conversation_id", conv), zap.Stringer("result", result))
+	ex.logAt(zapcore.DebugLevel, "conversation cache", zap.String("conversation_id", conv), zap.Stringer("result", result))
 
 	pi := p.nextPrefill()
 	pbody, err := multiturnPrefillBody(ex.body, params)
@@ -87,7 +89,7 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 		return
 	}
 	di := p.nextDecode()
-	ex.log.Debug("routing", zap.Stringer("prefill", pi), zap.Stringer("decode", di))
+	ex.logAt(zapcore.DebugLevel, "routing", zap.Stringer("prefill", pi), zap.Stringer("decode", di))
 
 	start := time.Now()
 	resp, ctx, cancel, timer, ue := p.openDecode(ex, di, dbody)
@@ -109,10 +111,12 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 			return
 		}
 		p.cache.Put(conv, b)
-		ex.log.Debug("cached decode kv_transfer_params", zap.String("conversation_id", conv))
+		ex.logAt(zapcore.DebugLevel, "cached decode kv_transfer_params", zap.String("conversation_id", conv))
 	}
 
-	br := bufio.NewReaderSize(resp.Body, 32<<10)
+	br := readers.Get().(*bufio.Reader)
+	br.Reset(resp.Body)
+	defer func() { br.Reset(nil); readers.Put(br) }()
 	if wantStream {
 		h := ex.w.Header()
 		h.Set("Content-Type", "text/event-stream; charset=utf-8")
@@ -136,7 +140,7 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 				}
 			}
 			if rerr == io.EOF {
-				p.m.upstreamTotal.WithLabelValues(roleDecode).Observe(time.Since(start).Seconds())
+				p.m.decodeTotal.Observe(time.Since(start).Seconds())
 				return
 			}
 			if rerr != nil {
@@ -181,9 +185,12 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 			return
 		}
 	}
-	p.m.upstreamTotal.WithLabelValues(roleDecode).Observe(time.Since(start).Seconds())
+	p.m.decodeTotal.Observe(time.Since(start).Seconds())
 	writeJSON(ex.w, http.StatusOK, p.assemble(ex, text.String(), finish, id, model, created))
 }
+
+// readers recycles line readers across requests.
+var readers = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 32<<10) }}
 
 // sseData returns the payload of a "data: " line (the reference matches that
 // exact prefix).

@@ -18,18 +18,18 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // Proxy is the P/D proxy; it is an http.Handler.
 type Proxy struct {
-	cfg       Config
-	transport http.RoundTripper
-	ownsTr    *http.Transport // the transport New made, closed by Close
-	client    *http.Client
-	cache     *ConversationCache
-	m         *metrics
-	mux       *http.ServeMux
-	models    *httputil.ReverseProxy
+	cfg     Config
+	clients map[Instance]*http.Client // one per upstream instance, as the reference's httpx clients
+	owned   []*http.Transport         // transports New made, closed by Close
+	cache   *ConversationCache
+	m       *metrics
+	mux     *http.ServeMux
+	models  *httputil.ReverseProxy
 
 	prefillRR atomic.Uint64
 	decodeRR  atomic.Uint64
@@ -45,14 +45,23 @@ func New(cfg Config) (*Proxy, error) {
 	cfg.applyDefaults()
 	cfg.Prefill = append([]Instance(nil), cfg.Prefill...)
 	cfg.Decode = append([]Instance(nil), cfg.Decode...)
-	p := &Proxy{cfg: cfg, transport: cfg.Transport}
-	if p.transport == nil {
-		p.ownsTr = NewTransport(cfg.ConnectTimeout, cfg.UpstreamTimeout)
-		p.transport = p.ownsTr
+	p := &Proxy{cfg: cfg, clients: make(map[Instance]*http.Client)}
+	// A transport per instance: separate connection pools (and pool locks)
+	// per upstream. No client-level timeout: a decode stream may legitimately
+	// run long; the waits are bounded per phase (see upstreamTimer).
+	newRT := func() http.RoundTripper {
+		if cfg.Transport != nil {
+			return cfg.Transport
+		}
+		tr := NewTransport(cfg.ConnectTimeout, cfg.UpstreamTimeout)
+		p.owned = append(p.owned, tr)
+		return tr
 	}
-	// No client-level timeout: a decode stream may legitimately run long; the
-	// waits are bounded per phase (see upstreamTimer).
-	p.client = &http.Client{Transport: p.transport}
+	for _, in := range append(append([]Instance(nil), cfg.Prefill...), cfg.Decode...) {
+		if p.clients[in] == nil {
+			p.clients[in] = &http.Client{Transport: newRT()}
+		}
+	}
 	p.cache = NewConversationCache(cfg.CacheTTL, cfg.MaxConversations, cfg.Clock)
 	m, err := newMetrics(cfg.Registry, func() float64 { return float64(p.cache.Len()) })
 	if err != nil {
@@ -68,7 +77,7 @@ func New(cfg Config) (*Proxy, error) {
 			pr.Out.URL.RawPath = ""
 			p.setAuth(pr.Out.Header, pr.In.Header)
 		},
-		Transport: p.transport,
+		Transport: newRT(),
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			p.writeFailure(w, r, &upstreamError{role: roleDecode, err: err, reason: reasonOf(r.Context(), err)})
 		},
@@ -92,10 +101,10 @@ func New(cfg Config) (*Proxy, error) {
 // ServeHTTP implements http.Handler.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) { p.mux.ServeHTTP(w, r) }
 
-// Close releases idle upstream connections of the transport New created.
+// Close releases the idle upstream connections of the transports New made.
 func (p *Proxy) Close() {
-	if p.ownsTr != nil {
-		p.ownsTr.CloseIdleConnections()
+	for _, tr := range p.owned {
+		tr.CloseIdleConnections()
 	}
 }
 
@@ -136,7 +145,22 @@ type exchange struct {
 	reqID    string
 	body     object
 	raw      []byte
-	log      *zap.Logger
+	base     *zap.Logger
+	lg       *zap.Logger // base with the request's fields, made on first use
+}
+
+// logAt logs with the request's id and route, building the request logger
+// only when something is logged.
+func (ex *exchange) logAt(lvl zapcore.Level, msg string, fields ...zap.Field) {
+	if !ex.base.Core().Enabled(lvl) {
+		return
+	}
+	if ex.lg == nil {
+		ex.lg = ex.base.With(zap.String("request_id", ex.reqID), zap.String("route", ex.route))
+	}
+	if ce := ex.lg.Check(lvl, msg); ce != nil {
+		ce.Write(fields...)
+	}
 }
 
 func (p *Proxy) serveCompletion(w http.ResponseWriter, r *http.Request, route, endpoint string) {
@@ -148,10 +172,10 @@ func (p *Proxy) serveCompletion(w http.ResponseWriter, r *http.Request, route, e
 		if code == 0 {
 			code = 499 // the client went away before a response was written
 		}
-		p.m.requests.WithLabelValues(route, strconv.Itoa(code)).Inc()
+		p.m.countRequest(route, code)
 	}()
 
-	raw, err := io.ReadAll(http.MaxBytesReader(sw, r.Body, p.cfg.MaxBodyBytes))
+	raw, err := readBody(http.MaxBytesReader(sw, r.Body, p.cfg.MaxBodyBytes), r.ContentLength, p.cfg.MaxBodyBytes)
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
@@ -175,7 +199,7 @@ func (p *Proxy) serveCompletion(w http.ResponseWriter, r *http.Request, route, e
 		reqID = p.cfg.NewRequestID()
 	}
 	ex := &exchange{w: sw, r: r, route: route, endpoint: endpoint, reqID: reqID, body: body, raw: raw,
-		log: p.cfg.Logger.With(zap.String("request_id", reqID), zap.String("route", route))}
+		base: p.cfg.Logger}
 	if p.cfg.Mode == ModeMultiturn {
 		p.serveMultiturn(ex)
 		return
@@ -224,17 +248,17 @@ func (p *Proxy) prefill(ex *exchange, inst Instance, body []byte) (object, *upst
 		return nil, fail("transport", err)
 	}
 	start := time.Now()
-	resp, err := p.client.Do(req)
+	resp, err := p.clients[inst].Do(req)
 	if err != nil {
 		return nil, fail(reasonOf(ctx, err), err)
 	}
 	defer resp.Body.Close()
-	p.m.upstreamLatency.WithLabelValues(rolePrefill).Observe(time.Since(start).Seconds())
-	data, err := io.ReadAll(io.LimitReader(resp.Body, p.cfg.MaxBodyBytes+1))
+	p.m.prefillLatency.Observe(time.Since(start).Seconds())
+	data, err := readBody(io.LimitReader(resp.Body, p.cfg.MaxBodyBytes+1), resp.ContentLength, p.cfg.MaxBodyBytes)
 	if err != nil {
 		return nil, fail(reasonOf(ctx, err), err)
 	}
-	p.m.upstreamTotal.WithLabelValues(rolePrefill).Observe(time.Since(start).Seconds())
+	p.m.prefillTotal.Observe(time.Since(start).Seconds())
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		ue := fail("status", fmt.Errorf("HTTP %d", resp.StatusCode))
 		ue.status, ue.body, ue.ctype = resp.StatusCode, data, resp.Header.Get("Content-Type")
@@ -280,12 +304,12 @@ func (p *Proxy) openDecode(ex *exchange, inst Instance, body []byte) (*http.Resp
 		return nil, nil, nil, nil, fail("transport", err)
 	}
 	start := time.Now()
-	resp, err := p.client.Do(req)
+	resp, err := p.clients[inst].Do(req)
 	if err != nil {
 		return nil, nil, nil, nil, fail(reasonOf(ctx, err), err)
 	}
 	timer.progress()
-	p.m.upstreamLatency.WithLabelValues(roleDecode).Observe(time.Since(start).Seconds())
+	p.m.decodeLatency.Observe(time.Since(start).Seconds())
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		data, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 		resp.Body.Close()
@@ -355,6 +379,16 @@ func (p *Proxy) writeFailure(w http.ResponseWriter, r *http.Request, ue *upstrea
 		writeError(w, http.StatusBadGateway, "upstream_error", "upstream_error",
 			fmt.Sprintf("%s instance %s: %v", ue.role, ue.target, ue.err))
 	}
+}
+
+// readBody reads a whole body, sized up front when its length is known.
+func readBody(r io.Reader, length, limit int64) ([]byte, error) {
+	if length <= 0 || length > limit {
+		return io.ReadAll(r)
+	}
+	buf := bytes.NewBuffer(make([]byte, 0, length+1))
+	_, err := buf.ReadFrom(r)
+	return buf.Bytes(), err
 }
 
 func truncate(b []byte, n int) []byte {

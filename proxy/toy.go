@@ -4,9 +4,11 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // serveToy is toy_proxy_server.py's request path: prefill with one token,
@@ -35,7 +37,7 @@ func (p *Proxy) serveToy(ex *exchange) {
 		}
 	}
 	di := p.nextDecode()
-	ex.log.Debug("routing", zap.Stringer("prefill", pi), zap.Stringer("decode", di))
+	ex.logAt(zapcore.DebugLevel, "routing", zap.Stringer("prefill", pi), zap.Stringer("decode", di))
 	p.relayDecode(ex, di, dbody)
 }
 
@@ -62,22 +64,32 @@ func (p *Proxy) relayDecode(ex *exchange, di Instance, body []byte) {
 		h.Set("Content-Length", cl)
 	}
 	ex.w.WriteHeader(resp.StatusCode)
-	ex.w.Flush()
+	// A body of unknown length is a stream: send the headers now and every
+	// piece as it arrives. A body of known length is written through the
+	// server's buffer and flushed when the handler returns.
+	streaming := resp.ContentLength < 0
+	if streaming {
+		ex.w.Flush()
+	}
 
-	buf := make([]byte, 32<<10)
+	bp := copyBufs.Get().(*[]byte)
+	defer copyBufs.Put(bp)
+	buf := *bp
 	for {
 		n, rerr := resp.Body.Read(buf)
 		if n > 0 {
 			timer.progress()
 			if _, werr := ex.w.Write(buf[:n]); werr != nil {
 				p.m.errors.WithLabelValues(roleClient, "canceled").Inc()
-				ex.log.Debug("client write failed", zap.Error(werr))
+				ex.logAt(zapcore.DebugLevel, "client write failed", zap.Error(werr))
 				return
 			}
-			ex.w.Flush()
+			if streaming {
+				ex.w.Flush()
+			}
 		}
 		if rerr == io.EOF {
-			p.m.upstreamTotal.WithLabelValues(roleDecode).Observe(time.Since(start).Seconds())
+			p.m.decodeTotal.Observe(time.Since(start).Seconds())
 			return
 		}
 		if rerr != nil {
@@ -92,7 +104,7 @@ func (p *Proxy) relayDecode(ex *exchange, di Instance, body []byte) {
 func (p *Proxy) abortStream(ex *exchange, di Instance, reason string, err error) {
 	if ex.r.Context().Err() != nil {
 		p.m.errors.WithLabelValues(roleClient, "canceled").Inc()
-		ex.log.Debug("client disconnected during the decode stream")
+		ex.logAt(zapcore.DebugLevel, "client disconnected during the decode stream")
 		panic(http.ErrAbortHandler)
 	}
 	if errors.Is(err, errClientWrite) {
@@ -100,8 +112,11 @@ func (p *Proxy) abortStream(ex *exchange, di Instance, reason string, err error)
 		panic(http.ErrAbortHandler)
 	}
 	p.m.errors.WithLabelValues(roleDecode, reason).Inc()
-	ex.log.Warn("decode stream failed", zap.Stringer("decode", di), zap.String("reason", reason), zap.Error(err))
+	ex.logAt(zapcore.WarnLevel, "decode stream failed", zap.Stringer("decode", di), zap.String("reason", reason), zap.Error(err))
 	panic(http.ErrAbortHandler)
 }
 
 var errClientWrite = errors.New("writing to the client failed")
+
+// copyBufs recycles relay buffers across requests.
+var copyBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
