@@ -56,6 +56,7 @@ type peer struct {
 	lastLive time.Time
 	dead     bool
 	deadWhy  string
+	noCMA    bool // the kernel denied cross-memory attach to this peer
 }
 
 // checkDead reports whether the peer is known dead, looking at /proc (at

@@ -128,11 +128,15 @@ func waitNotif(t testing.TB, a nixl.Agent, other nixl.Agent, d time.Duration) ni
 }
 
 func TestReadWriteNotif(t *testing.T) {
-	for _, mode := range []string{"peer", "none"} {
+	for _, mode := range []string{"peer", "none", "cma"} {
 		for _, prog := range []bool{false, true} {
 			t.Run(mode+map[bool]string{false: "", true: "/progress-thread"}[prog], func(t *testing.T) {
 				const blk, nblk = 4096, 16
-				p := newPair(t, blk*nblk, map[string]string{ParamErrMode: mode}, prog)
+				params := map[string]string{ParamErrMode: mode}
+				if mode == "cma" {
+					params = map[string]string{ParamErrMode: "none", ParamDataPath: "cma"}
+				}
+				p := newPair(t, blk*nblk, params, prog)
 				for i := range p.bufB {
 					p.bufB[i] = byte(i*7 + 3)
 				}

@@ -20,6 +20,14 @@ const (
 	ParamEngineConfig = "engine_config"
 	// ParamDevices: comma-separated device list, applied as NET_DEVICES.
 	ParamDevices = "device_list"
+	// ParamDataPath: "ucp" (default: ucp_get_nbx/ucp_put_nbx) or "cma":
+	// for a peer on this host (same boot and pid namespace), move the data
+	// with process_vm_readv/writev (one syscall per 512 operations) and use
+	// UCX only for the notification. Falls back to ucp per peer when the
+	// kernel denies cross-memory attach.
+	ParamDataPath = "data_path"
+	// EnvDataPath sets the data path when the backend parameters do not.
+	EnvDataPath = "GONIXL_UCX_DATA_PATH"
 )
 
 // settings is the resolved configuration of one agent.
@@ -28,6 +36,7 @@ type settings struct {
 	errMode  string // "peer" or "none", for Info
 	errFrom  string // where errMode came from
 	ucxCfg   []string
+	cma      bool // data path "cma" for same-host peers
 }
 
 // resolveSettings validates the agent config for this engine. env is
@@ -73,6 +82,18 @@ func resolveSettings(cfg nixl.AgentConfig, env func(string) string) (settings, e
 	}
 	s.errFrom = from
 
+	dp := p[ParamDataPath]
+	if dp == "" {
+		dp = env(EnvDataPath)
+	}
+	switch strings.ToLower(dp) {
+	case "", "ucp":
+	case "cma":
+		s.cma = true
+	default:
+		return s, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "%s=%q: want ucp or cma", ParamDataPath, dp)
+	}
+
 	// NIXL's default: no rendezvous for active messages (notifications),
 	// unless the user set UCX_RNDV_THRESH.
 	if env("UCX_RNDV_THRESH") == "" {
@@ -107,7 +128,7 @@ func resolveSettings(cfg nixl.AgentConfig, env func(string) string) (settings, e
 	var unknown []string
 	for k := range p {
 		switch k {
-		case ParamErrMode, "error_handling", ParamEngineConfig, ParamDevices,
+		case ParamErrMode, "error_handling", ParamEngineConfig, ParamDevices, ParamDataPath,
 			// Accepted for parity with NIXL; this engine has one worker.
 			"num_workers", "num_threads", "split_batch_size", "ucx_ep_close_force", "ucx_num_device_channels":
 		default:
@@ -122,5 +143,9 @@ func resolveSettings(cfg nixl.AgentConfig, env func(string) string) (settings, e
 }
 
 func (s settings) String() string {
-	return fmt.Sprintf("error handling %s (%s)", s.errMode, s.errFrom)
+	dp := "ucp"
+	if s.cma {
+		dp = "cma for same-host peers"
+	}
+	return fmt.Sprintf("error handling %s (%s), data path %s", s.errMode, s.errFrom, dp)
 }

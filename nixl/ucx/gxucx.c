@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <poll.h>
+#include <sys/uio.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -136,6 +137,8 @@ const char *gx_status_string(int status)
         return "endpoint failed";
     case GX_ERR_EP_CLOSED:
         return "endpoint closed";
+    case GX_ERR_CMA_DENIED:
+        return "cross-memory attach denied";
     }
     return G.status_string((ucs_status_t)status);
 }
@@ -882,4 +885,71 @@ int gx_send_notif(gx_agent *a, gx_ep *e, const void *buf, size_t len)
     }
     add_pending(a, sp, copy);
     return UCS_OK;
+}
+
+/* ---- same-host data path ------------------------------------------------------ */
+
+#define GX_CMA_BATCH 512 /* iovecs per syscall, below IOV_MAX (1024) */
+
+int gx_cma(int pid, int op, const gx_iov *iov, size_t n)
+{
+    struct iovec l[GX_CMA_BATCH], r[GX_CMA_BATCH];
+    size_t i = 0, off = 0; /* next op, and bytes of it already moved */
+    int moved_any = 0;
+
+    while (i < n) {
+        size_t k = 0, want = 0, j;
+        ssize_t got;
+        for (j = i; j < n && k < GX_CMA_BATCH; j++, k++) {
+            size_t skip = (j == i) ? off : 0;
+            l[k].iov_base = (void *)(uintptr_t)(iov[j].laddr + skip);
+            l[k].iov_len = (size_t)(iov[j].len - skip);
+            r[k].iov_base = (void *)(uintptr_t)(iov[j].raddr + skip);
+            r[k].iov_len = l[k].iov_len;
+            want += l[k].iov_len;
+        }
+        got = op == 0 ? process_vm_readv(pid, l, k, r, k, 0)
+                      : process_vm_writev(pid, l, k, r, k, 0);
+        if (got < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            if (errno == ESRCH) {
+                return GX_ERR_EP_FAILED;
+            }
+            if (errno == EPERM && !moved_any) {
+                return GX_ERR_CMA_DENIED;
+            }
+            return UCS_ERR_IO_ERROR;
+        }
+        if (got == 0 && want > 0) {
+            return UCS_ERR_IO_ERROR; /* no progress */
+        }
+        moved_any = 1;
+        /* Advance (i, off) by got bytes; a short count resumes mid-op. */
+        while (got > 0 && i < n) {
+            size_t left = (size_t)(iov[i].len - off);
+            if ((size_t)got >= left) {
+                got -= (ssize_t)left;
+                i++;
+                off = 0;
+            } else {
+                off += (size_t)got;
+                got = 0;
+            }
+        }
+    }
+    return 0;
+}
+
+int gx_data_done(gx_agent *a, gx_ep *e, gx_xfer *x)
+{
+    if (x->state == GX_X_DATA || x->state == GX_X_NOTIF) {
+        return GX_ERR_REPOST_ACTIVE;
+    }
+    x->err = 0;
+    x->data_req = NULL;
+    x->flush_req = NULL;
+    x->state = GX_X_DATA;
+    return advance(a, e, x);
 }

@@ -25,6 +25,7 @@
 #define GX_ERR_REPOST_ACTIVE (-1001)
 #define GX_ERR_EP_FAILED (-1002)
 #define GX_ERR_EP_CLOSED (-1003)
+#define GX_ERR_CMA_DENIED (-1004)
 
 /* Loads libucp from path. On failure returns -1 and writes a message into
  * err. Must be called once per process before anything else. */
@@ -145,6 +146,15 @@ int gx_post(gx_agent *a, gx_ep *e, int op, const gx_iov *iov, size_t n,
 /* Progresses (unless progress == 0) and advances x. Same returns as
  * gx_post. */
 int gx_check(gx_agent *a, gx_ep *e, gx_xfer *x, int progress);
+/* Same-host data path: moves every op with process_vm_readv (op=0) or
+ * process_vm_writev (op=1) against process pid, synchronously, without UCX.
+ * Touches no UCX state, so it may run without the agent mutex. Returns 0,
+ * or GX_ERR_CMA_DENIED when the kernel refuses access before anything
+ * moved, GX_ERR_EP_FAILED when the process is gone, UCS_ERR_IO_ERROR else. */
+int gx_cma(int pid, int op, const gx_iov *iov, size_t n);
+/* Marks x's data complete after gx_cma and advances it (sends the
+ * notification). Same returns as gx_post. */
+int gx_data_done(gx_agent *a, gx_ep *e, gx_xfer *x);
 /* Cancels what is in flight, hands buffers still referenced by UCX to the
  * agent's pending list, frees x. */
 void gx_xfer_free(gx_agent *a, gx_xfer *x);

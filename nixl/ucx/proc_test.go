@@ -46,8 +46,12 @@ func runChild() error {
 	if err != nil {
 		return err
 	}
-	a, err := e.NewAgent(nixl.AgentConfig{Name: "child", BackendParams: map[string]map[string]string{
-		"UCX": {ParamErrMode: os.Getenv(envChild)}}})
+	mode := os.Getenv(envChild)
+	params := map[string]string{ParamErrMode: mode}
+	if mode == "cma" {
+		params = map[string]string{ParamErrMode: "none", ParamDataPath: "cma"}
+	}
+	a, err := e.NewAgent(nixl.AgentConfig{Name: "child", BackendParams: map[string]map[string]string{"UCX": params}})
 	if err != nil {
 		return err
 	}
@@ -187,14 +191,18 @@ func remoteBase(t *testing.T, md []byte) uint64 {
 // same-host /proc check does.
 func TestPeerKilledMidTransfer(t *testing.T) {
 	requireUCX(t)
-	for _, mode := range []string{"peer", "none"} {
+	for _, mode := range []string{"peer", "none", "cma"} {
 		t.Run(mode, func(t *testing.T) { peerKilled(t, mode) })
 	}
 }
 
 func peerKilled(t *testing.T, mode string) {
 	dst := mmapBuf(t, 64<<20)
-	a := newAgent(t, "parent", map[string]string{ParamErrMode: mode}, false)
+	params := map[string]string{ParamErrMode: mode}
+	if mode == "cma" {
+		params = map[string]string{ParamErrMode: "none", ParamDataPath: "cma"}
+	}
+	a := newAgent(t, "parent", params, false)
 	if err := a.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(dst), Len: uint64(len(dst))}}); err != nil {
 		t.Fatal(err)
 	}

@@ -187,6 +187,7 @@ const (
 	gxErrRepostActive = -1001
 	gxErrEpFailed     = -1002
 	gxErrEpClosed     = -1003
+	gxErrCMADenied    = -1004
 )
 
 // statusOf maps a gxucx return code to NIXL's status, as NIXL's UCX plugin

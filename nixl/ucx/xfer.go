@@ -6,6 +6,7 @@ package ucx
 import "C"
 
 import (
+	"fmt"
 	"time"
 	"unsafe"
 
@@ -65,12 +66,44 @@ func (x *xfer) Post() (nixl.Status, error) {
 	x.final = nixl.InProgress
 	x.finalErr = nil
 	x.start = time.Now()
+	if a.set.cma && p.local && !p.noCMA {
+		if st, err, done := x.postCMA(fn); done {
+			return st, err
+		}
+	}
 	rc := C.gx_post(a.c, p.ep, C.int(x.op),
 		(*C.gx_iov)(unsafe.Pointer(&x.ops[0])), C.size_t(len(x.ops)),
 		&p.rkeys[0], C.size_t(len(p.rkeys)),
 		memhPtr(a.memhs), C.size_t(len(a.memhs)), x.c)
 	x.postDur = time.Since(x.start)
 	return x.settle(rc, fn)
+}
+
+// postCMA moves the data with process_vm_readv/writev outside the agent
+// mutex (called and returning with it held), then lets C send the
+// notification. done is false when the kernel denied access before any
+// byte moved: the caller then posts through UCX.
+func (x *xfer) postCMA(fn string) (st nixl.Status, err error, done bool) {
+	a, p := x.a, x.peer
+	a.mu.Unlock()
+	rc := C.gx_cma(C.int(p.proc.Pid), C.int(x.op), (*C.gx_iov)(unsafe.Pointer(&x.ops[0])), C.size_t(len(x.ops)))
+	a.mu.Lock()
+	if err := a.checkOpen(fn); err != nil {
+		x.final, x.finalErr = nixl.ErrInvalidParam, err
+		return nixl.ErrInvalidParam, err, true
+	}
+	switch rc {
+	case 0:
+		rc = C.gx_data_done(a.c, p.ep, x.c)
+	case gxErrCMADenied:
+		p.noCMA = true
+		return 0, nil, false
+	case gxErrEpFailed:
+		p.dead, p.deadWhy = true, fmt.Sprintf("peer process %d has exited", p.proc.Pid)
+	}
+	x.postDur = time.Since(x.start)
+	st, err = x.settle(rc, fn)
+	return st, err, true
 }
 
 func memhPtr(m []C.ucp_mem_h) *C.ucp_mem_h {
