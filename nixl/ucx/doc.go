@@ -33,14 +33,31 @@
 //     flush are complete.
 //
 // Metadata is this package's own versioned, checksummed format (see
-// metadata.go); it is not NIXL's, so both sides must run this engine.
+// metadata.go); it is not NIXL's, so both sides must run this engine. It
+// also carries the writer's boot id, pid namespace, pid and start time: for
+// a peer on the same host the engine checks /proc while a transfer is in
+// progress, so a dead peer fails its transfers with ERR_REMOTE_DISCONNECT
+// even in error mode "none", where UCX itself never notices.
+//
+// # Data paths
+//
+// UCX 1.13 (Debian bookworm) serves ucp_get/ucp_put on memory it did not
+// allocate with software emulation over active messages when the peer is
+// reached through shared memory or tcp: the target's worker copies every
+// fragment, so the target must progress (its progress thread spins for a
+// short window after work for that reason). Newer UCX (1.16+, e.g. the
+// libucx-cu12 wheel) reads with CMA zero-copy instead. data_path "cma"
+// (opt-in) moves same-host data with process_vm_readv/writev directly, one
+// syscall per 512 operations, outside the agent mutex, and uses UCX only
+// for the notification.
 //
 // # Configuration
 //
 // BackendParams["UCX"] takes NIXL's UCX plugin keys: ucx_error_handling_mode
 // (alias error_handling) "peer" or "none", engine_config "KEY=VAL,...",
-// device_list. The error mode falls back to $GONIXL_UCX_ERR_MODE, then
-// "peer". On UCX 1.13, peer mode lets UCP use only transports that detect
+// device_list, and this engine's data_path "ucp" (default) or "cma". The
+// error mode falls back to $GONIXL_UCX_ERR_MODE, then "peer"; the data path
+// to $GONIXL_UCX_DATA_PATH, then "ucp". On UCX 1.13, peer mode lets UCP use only transports that detect
 // peer failure, which pushes same-host traffic onto TCP; none allows shared
 // memory and CMA but a dead peer may then go unnoticed. UCX_* environment
 // variables apply as usual (UCX_TLS, UCX_NET_DEVICES, ...). The agent's
