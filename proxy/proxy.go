@@ -184,7 +184,12 @@ func (p *Proxy) serveCompletion(w http.ResponseWriter, r *http.Request, route, e
 				fmt.Sprintf("request body exceeds %d bytes", mbe.Limit))
 			return
 		}
-		p.m.errors.WithLabelValues(roleClient, "canceled").Inc()
+		if r.Context().Err() != nil {
+			p.m.errors.WithLabelValues(roleClient, "canceled").Inc()
+			return
+		}
+		p.m.errors.WithLabelValues(roleClient, "bad_request").Inc()
+		writeError(sw, http.StatusBadRequest, "invalid_request_error", "invalid_body", "reading the request body: "+err.Error())
 		return
 	}
 	body, err := parseObject(raw)
