@@ -536,7 +536,7 @@ func mtDiscoverModel(ctx context.Context, client *http.Client, base string) stri
 
 func mtPrintReport(w io.Writer, r *mtReport) {
 	c := r.Config
-	fmt.Fprintf(w, "multiturn: %v clients, %v conversations x %v turns, %v prompt mtWords/turn, max_tokens %v, api %v, stream %v, send-conversation-id %v\n",
+	fmt.Fprintf(w, "multiturn: %v clients, %v conversations x %v turns, %v prompt words/turn, max_tokens %v, api %v, stream %v, send-conversation-id %v\n",
 		c["num_clients"], c["num_conversations"], c["turns"], c["prompt_tokens"], c["output_tokens"], c["api"], c["stream"], c["send_conversation_id"])
 	fmt.Fprintf(w, "requests: %d ok, %d failed in %.2f s (%.2f req/s)\n", r.Requests-r.Failed, r.Failed, r.WallSeconds, r.RequestsPerSec)
 	for _, e := range r.FirstErrors {
