@@ -549,7 +549,7 @@ func mtPrintReport(w io.Writer, r *mtReport) {
 	row("E2E", r.E2Ems)
 	src := "server usage"
 	if !r.TokensFromUsage {
-		src = "approximate: stream chunks or mtWords"
+		src = "approximate: stream chunks or words"
 	}
 	fmt.Fprintf(w, "output: %d tokens (%s), %.1f tokens/s\n", r.OutputTokens, src, r.OutputTokPerSec)
 	switch {
