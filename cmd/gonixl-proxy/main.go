@@ -1,13 +1,3 @@
-// Command gonixl-proxy is the P/D proxy in front of vLLM prefill and decode
-// instances: vLLM's toy_proxy_server.py by default, its
-// disagg_proxy_multiturn.py with --multiturn, with the same command-line flags.
-//
-//	gonixl-proxy --port 8192 --prefiller-hosts 127.0.0.1 --prefiller-ports 8100 \
-//	    --decoder-hosts 127.0.0.1 --decoder-ports 8200
-//
-// Once the listening socket is bound it logs "listening on HOST:PORT" to
-// stderr, and GET /healthcheck answers 200. SIGINT or SIGTERM shut it down
-// gracefully (in-flight requests get 10 s).
 package main
 
 import (
