@@ -315,3 +315,20 @@ func TestMultiturnStreamingPassThrough(t *testing.T) {
 		t.Errorf("tail %q", tail)
 	}
 }
+
+// When the prefill instance returns no kv_transfer_params, the decode
+// instance gets the client's request without the params meant for the
+// prefill (it then prefills locally).
+func TestMultiturnNoPrefillParams(t *testing.T) {
+	pf := newFake(t, "p0", func(w http.ResponseWriter, _ *http.Request, _ received) {
+		writeTestJSON(w, 200, map[string]any{"choices": []any{}})
+	})
+	df := newFake(t, "d0", decodeHandler("d0", true))
+	r := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Mode = ModeMultiturn })
+	if status, _, _ := r.post("/v1/chat/completions", chatBody("c", true, nil), nil); status != 200 {
+		t.Fatalf("status %d", status)
+	}
+	if kv, ok := df.requests()[0].Body["kv_transfer_params"]; ok {
+		t.Errorf("decode got kv_transfer_params %v though the prefill returned none", kv)
+	}
+}
