@@ -10,6 +10,10 @@ NixlConnector takes: make_prepped_xfer (with a notification), transfer,
 check_xfer_state until DONE, release_xfer_handle. Prints one JSON object
 per line; the Go command joins them with its own results.
 
+With --serve it measures the sizes requested on stdin instead (one JSON
+object a line, {"op": "read", "block": N, "batch": M}; "quit" ends), which
+lets gonixl-bench alternate gonixl and NIXL-Python size by size.
+
 Usage (normally started by gonixl-bench):
   nixl_python_bench.py --module nixl_cu12 --ops read,write \
       --block-sizes 4096,65536 --batch-sizes 1,256 --cap 268435456 \
@@ -59,6 +63,44 @@ def target(conn, module, cap, progress):
     conn.send("bye")
 
 
+def measure(agent, args, lists, remote, remote_base, buf, op, bs, batch):
+    """One (op, block, batch) measurement: iterations of make, transfer,
+    poll, release, as in transfer.go's sweep."""
+    if bs not in lists:
+        slots = max(1, args.cap // bs)
+        ldescs = np.array([[buf.ctypes.data + s * bs, bs, 0] for s in range(slots)], dtype=np.uint64)
+        rdescs = np.array([[remote_base + s * bs, bs, 0] for s in range(slots)], dtype=np.uint64)
+        lists[bs] = (slots, agent.prep_xfer_dlist("", agent.get_xfer_descs(ldescs, "DRAM")),
+                     agent.prep_xfer_dlist(remote, agent.get_xfer_descs(rdescs, "DRAM")))
+    slots, lh, rh = lists[bs]
+    li = indices(args.pattern, batch, slots, "local")
+    ri = indices(args.pattern, batch, slots, "remote")
+    opname = op.upper()
+    makes, posts, xfers, rels = [], [], [], []
+    start = time.perf_counter()
+    it = 0
+    while it < args.max_iters and (it < args.min_iters or time.perf_counter() - start < args.min_time):
+        t0 = time.perf_counter_ns()
+        h = agent.make_prepped_xfer(opname, lh, li, rh, ri, b"bench:%d" % it)
+        t1 = time.perf_counter_ns()
+        st = agent.transfer(h)
+        t2 = time.perf_counter_ns()
+        while st == "PROC":
+            st = agent.check_xfer_state(h)
+        t3 = time.perf_counter_ns()
+        if st != "DONE":
+            raise RuntimeError("transfer ended in %s" % st)
+        agent.release_xfer_handle(h)
+        t4 = time.perf_counter_ns()
+        makes.append(t1 - t0)
+        posts.append(t2 - t1)
+        xfers.append(t3 - t1)
+        rels.append(t4 - t3)
+        it += 1
+    return {"op": op, "block": bs, "batch": batch, "iters": it,
+            "make_ns": makes, "post_ns": posts, "xfer_ns": xfers, "release_ns": rels}
+
+
 def run(args):
     api = load_api(args.module)
     ctx = mp.get_context("spawn")
@@ -73,46 +115,27 @@ def run(args):
         buf = np.zeros(args.cap, dtype=np.uint8)
         reg = agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"))
         remote = agent.add_remote_agent(md)
+        lists = {}
         print(json.dumps({"info": {"module": args.module, "api_file": api.__file__}}), flush=True)
-        for op in args.ops.split(","):
-            opname = op.upper()
-            for bs in [int(x) for x in args.block_sizes.split(",")]:
-                slots = max(1, args.cap // bs)
-                ldescs = np.array([[buf.ctypes.data + s * bs, bs, 0] for s in range(slots)], dtype=np.uint64)
-                rdescs = np.array([[remote_base + s * bs, bs, 0] for s in range(slots)], dtype=np.uint64)
-                lh = agent.prep_xfer_dlist("", agent.get_xfer_descs(ldescs, "DRAM"))
-                rh = agent.prep_xfer_dlist(remote, agent.get_xfer_descs(rdescs, "DRAM"))
-                for batch in [int(x) for x in args.batch_sizes.split(",")]:
-                    if bs * batch > args.max_batch_bytes:
-                        continue
-                    li = indices(args.pattern, batch, slots, "local")
-                    ri = indices(args.pattern, batch, slots, "remote")
-                    makes, posts, xfers, rels = [], [], [], []
-                    start = time.perf_counter()
-                    it = 0
-                    while it < args.max_iters and (it < args.min_iters or time.perf_counter() - start < args.min_time):
-                        t0 = time.perf_counter_ns()
-                        h = agent.make_prepped_xfer(opname, lh, li, rh, ri, b"bench:%d" % it)
-                        t1 = time.perf_counter_ns()
-                        st = agent.transfer(h)
-                        t2 = time.perf_counter_ns()
-                        while st == "PROC":
-                            st = agent.check_xfer_state(h)
-                        t3 = time.perf_counter_ns()
-                        if st != "DONE":
-                            raise RuntimeError("transfer ended in %s" % st)
-                        agent.release_xfer_handle(h)
-                        t4 = time.perf_counter_ns()
-                        makes.append(t1 - t0)
-                        posts.append(t2 - t1)
-                        xfers.append(t3 - t1)
-                        rels.append(t4 - t3)
-                        it += 1
-                    print(json.dumps({"op": op, "block": bs, "batch": batch, "iters": it,
-                                      "make_ns": makes, "post_ns": posts, "xfer_ns": xfers, "release_ns": rels}),
-                          flush=True)
-                agent.release_dlist_handle(lh)
-                agent.release_dlist_handle(rh)
+        if args.serve:
+            # One request per line on stdin: {"op": "read", "block": N, "batch": M}.
+            for line in sys.stdin:
+                line = line.strip()
+                if not line or line == "quit":
+                    break
+                req = json.loads(line)
+                print(json.dumps(measure(agent, args, lists, remote, remote_base, buf,
+                                         req["op"], int(req["block"]), int(req["batch"]))), flush=True)
+        else:
+            for op in args.ops.split(","):
+                for bs in [int(x) for x in args.block_sizes.split(",")]:
+                    for batch in [int(x) for x in args.batch_sizes.split(",")]:
+                        if bs * batch <= args.max_batch_bytes:
+                            print(json.dumps(measure(agent, args, lists, remote, remote_base, buf, op, bs, batch)),
+                                  flush=True)
+        for _, lh, rh in lists.values():
+            agent.release_dlist_handle(lh)
+            agent.release_dlist_handle(rh)
         agent.deregister_memory(reg)
         agent.remove_remote_agent(remote)
     finally:
@@ -139,6 +162,8 @@ def main():
     p.add_argument("--max-iters", type=int, default=1000)
     p.add_argument("--pattern", choices=["scattered", "contiguous"], default="scattered")
     p.add_argument("--progress-thread", type=int, default=1)
+    p.add_argument("--serve", action="store_true",
+                   help="measure the sizes requested on stdin, one JSON object a line, instead of the lists")
     args = p.parse_args()
     run(args)
     # Leave without interpreter finalisation: tearing the nixl_agent down at

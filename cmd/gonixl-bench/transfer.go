@@ -282,7 +282,8 @@ type result struct {
 	Block     int     `json:"block"`
 	Batch     int     `json:"batch"`
 	Iters     int     `json:"iters"`
-	GBps      float64 `json:"gbps"`        // bytes / Σ(post start → done)
+	GBps      float64 `json:"gbps"`        // bytes / median(post start → done)
+	GBpsMean  float64 `json:"gbps_mean"`   // Σbytes / Σ(post start → done)
 	MakeUs    float64 `json:"make_us_p50"` // MakeXfer
 	PostUs    float64 `json:"post_us_p50"` // Post call
 	XferUs    float64 `json:"xfer_us_p50"` // post start → done
@@ -305,11 +306,15 @@ func summarize(impl, op string, block, batch int, makes, posts, xfers, rels []in
 	for _, x := range xfers {
 		sum += x
 	}
-	gbps := 0.0
+	bytes := float64(block) * float64(batch)
+	mean, med := 0.0, 0.0
 	if sum > 0 {
-		gbps = float64(block) * float64(batch) * float64(len(xfers)) / float64(sum)
+		mean = bytes * float64(len(xfers)) / float64(sum)
 	}
-	return result{Impl: impl, Op: op, Block: block, Batch: batch, Iters: len(xfers), GBps: gbps,
+	if p := pct(xfers, .5); p > 0 {
+		med = bytes / (p * 1e3)
+	}
+	return result{Impl: impl, Op: op, Block: block, Batch: batch, Iters: len(xfers), GBps: med, GBpsMean: mean,
 		MakeUs: pct(makes, .5), PostUs: pct(posts, .5), XferUs: pct(xfers, .5), XferP99Us: pct(xfers, .99), ReleaseUs: pct(rels, .5)}
 }
 
@@ -324,6 +329,7 @@ type initiator struct {
 	base   uint64
 	target *exec.Cmd
 	stdin  io.WriteCloser
+	cache  map[int]preppedLists // prepared lists per block size
 }
 
 func startInitiator(o *transferOpts, stderr io.Writer) (*initiator, error) {
@@ -347,7 +353,7 @@ func startInitiator(o *transferOpts, stderr io.Writer) (*initiator, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start target: %w", err)
 	}
-	in := &initiator{o: o, target: cmd, stdin: stdin}
+	in := &initiator{o: o, target: cmd, stdin: stdin, cache: map[int]preppedLists{}}
 	var h hello
 	got := make(chan error, 1)
 	go func() { got <- gob.NewDecoder(stdout).Decode(&h) }()
@@ -386,6 +392,7 @@ func startInitiator(o *transferOpts, stderr io.Writer) (*initiator, error) {
 
 func (in *initiator) stop() {
 	if in.a != nil {
+		in.releaseCache()
 		if in.peer != "" {
 			_ = in.a.InvalidateRemote(in.peer)
 		}
@@ -446,39 +453,64 @@ func (in *initiator) once(op nixl.XferOp, local, remote nixl.DescList, li, ri []
 	return t1.Sub(t0).Nanoseconds(), t2.Sub(t1).Nanoseconds(), t3.Sub(t1).Nanoseconds(), t4.Sub(t3).Nanoseconds(), err
 }
 
-func (in *initiator) sweep() ([]result, error) {
-	o := in.o
-	var out []result
+// combo is one (op, block, batch) size point.
+type combo struct {
+	op           nixl.XferOp
+	block, batch int
+}
+
+func (o *transferOpts) combos() []combo {
+	var out []combo
 	for _, op := range o.ops {
 		for _, block := range o.blocks {
-			local, remote, slots, err := in.lists(block)
-			if err != nil {
-				return out, err
-			}
 			for _, batch := range o.batches {
-				if block*batch > o.maxBatchBytes {
-					continue
+				if block*batch <= o.maxBatchBytes {
+					out = append(out, combo{op, block, batch})
 				}
-				li := benchIndices(o.pattern, batch, slots, false)
-				ri := benchIndices(o.pattern, batch, slots, true)
-				var makes, posts, xfers, rels []int64
-				start := time.Now()
-				for it := 0; it < o.maxIters && (it < o.minIters || time.Since(start) < o.minTime); it++ {
-					m, p, x, r, err := in.once(op, local, remote, li, ri, it)
-					if err != nil {
-						local.Release()
-						remote.Release()
-						return out, fmt.Errorf("%v block %d batch %d: %w", op, block, batch, err)
-					}
-					makes, posts, xfers, rels = append(makes, m), append(posts, p), append(xfers, x), append(rels, r)
-				}
-				out = append(out, summarize("gonixl/"+o.engine, strings.ToLower(op.String()), block, batch, makes, posts, xfers, rels))
 			}
-			local.Release()
-			remote.Release()
 		}
 	}
-	return out, nil
+	return out
+}
+
+type preppedLists struct {
+	local, remote nixl.DescList
+	slots         int
+}
+
+// measure runs iterations of one size point until -min-time and
+// -min-iters are both met (or -max-iters).
+func (in *initiator) measure(c combo) (result, error) {
+	o := in.o
+	pl, ok := in.cache[c.block]
+	if !ok {
+		local, remote, slots, err := in.lists(c.block)
+		if err != nil {
+			return result{}, err
+		}
+		pl = preppedLists{local, remote, slots}
+		in.cache[c.block] = pl
+	}
+	li := benchIndices(o.pattern, c.batch, pl.slots, false)
+	ri := benchIndices(o.pattern, c.batch, pl.slots, true)
+	var makes, posts, xfers, rels []int64
+	start := time.Now()
+	for it := 0; it < o.maxIters && (it < o.minIters || time.Since(start) < o.minTime); it++ {
+		m, p, x, r, err := in.once(c.op, pl.local, pl.remote, li, ri, it)
+		if err != nil {
+			return result{}, fmt.Errorf("%v block %d batch %d: %w", c.op, c.block, c.batch, err)
+		}
+		makes, posts, xfers, rels = append(makes, m), append(posts, p), append(xfers, x), append(rels, r)
+	}
+	return summarize("gonixl/"+o.engine, strings.ToLower(c.op.String()), c.block, c.batch, makes, posts, xfers, rels), nil
+}
+
+func (in *initiator) releaseCache() {
+	for b, pl := range in.cache {
+		pl.local.Release()
+		pl.remote.Release()
+		delete(in.cache, b)
+	}
 }
 
 // overhead measures our side's per-descriptor CPU cost at n descriptors:
@@ -610,16 +642,16 @@ func pythonModule(info string) string {
 	return "nixl"
 }
 
-func joinInts(v []int) string {
-	s := make([]string, len(v))
-	for i, x := range v {
-		s[i] = strconv.Itoa(x)
-	}
-	return strings.Join(s, ",")
+// pyServer is bench/nixl_python_bench.py in --serve mode: it measures one
+// size point per request, so that gonixl and NIXL-Python alternate.
+type pyServer struct {
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	sc    *bufio.Scanner
+	info  string
 }
 
-// runPython runs bench/nixl_python_bench.py with the same parameters.
-func runPython(o *transferOpts, module string, stderr io.Writer) ([]result, string, error) {
+func startPython(o *transferOpts, module string, stderr io.Writer) (*pyServer, error) {
 	wd, _ := os.Getwd()
 	py := o.python
 	if py == "" {
@@ -635,56 +667,77 @@ func runPython(o *transferOpts, module string, stderr io.Writer) ([]result, stri
 	if script == "" {
 		script = findUp(wd, "bench/nixl_python_bench.py")
 		if script == "" {
-			return nil, "", errors.New("bench/nixl_python_bench.py not found (use -script)")
+			return nil, errors.New("bench/nixl_python_bench.py not found (use -script)")
 		}
 	}
-	var ops []string
-	for _, op := range o.ops {
-		ops = append(ops, strings.ToLower(op.String()))
-	}
-	args := []string{script, "--module", module, "--ops", strings.Join(ops, ","),
-		"--block-sizes", joinInts(o.blocks), "--batch-sizes", joinInts(o.batches),
-		"--cap", strconv.Itoa(o.capBytes), "--max-batch-bytes", strconv.Itoa(o.maxBatchBytes),
+	args := []string{script, "--serve", "--module", module,
+		"--cap", strconv.Itoa(o.capBytes),
 		"--min-time", strconv.FormatFloat(o.minTime.Seconds(), 'f', 3, 64),
 		"--min-iters", strconv.Itoa(o.minIters), "--max-iters", strconv.Itoa(o.maxIters),
 		"--pattern", o.pattern, "--progress-thread", map[bool]string{true: "1", false: "0"}[o.progress]}
 	cmd := exec.Command(py, args...)
 	cmd.Stderr = stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
 	out, err := cmd.StdoutPipe()
 	if err != nil {
-		return nil, "", err
+		return nil, err
 	}
 	if err := cmd.Start(); err != nil {
-		return nil, "", fmt.Errorf("%s: %w", py, err)
+		return nil, fmt.Errorf("%s: %w", py, err)
 	}
-	var res []result
-	var info string
-	sc := bufio.NewScanner(out)
-	sc.Buffer(make([]byte, 1<<20), 64<<20)
-	for sc.Scan() {
+	s := &pyServer{cmd: cmd, stdin: stdin, sc: bufio.NewScanner(out)}
+	s.sc.Buffer(make([]byte, 1<<20), 64<<20)
+	for s.sc.Scan() {
 		var line struct {
-			Info    map[string]string `json:"info"`
-			Op      string            `json:"op"`
-			Block   int               `json:"block"`
-			Batch   int               `json:"batch"`
-			Make    []int64           `json:"make_ns"`
-			Post    []int64           `json:"post_ns"`
-			Xfer    []int64           `json:"xfer_ns"`
-			Release []int64           `json:"release_ns"`
+			Info map[string]string `json:"info"`
 		}
-		if err := json.Unmarshal(sc.Bytes(), &line); err != nil {
+		if json.Unmarshal(s.sc.Bytes(), &line) == nil && line.Info != nil {
+			s.info = fmt.Sprintf("%s (%s)", line.Info["module"], line.Info["api_file"])
+			return s, nil
+		}
+	}
+	s.close()
+	return nil, fmt.Errorf("%s %s exited before it was ready", py, script)
+}
+
+func (s *pyServer) measure(c combo) (result, error) {
+	req, _ := json.Marshal(map[string]any{"op": strings.ToLower(c.op.String()), "block": c.block, "batch": c.batch})
+	if _, err := s.stdin.Write(append(req, '\n')); err != nil {
+		return result{}, err
+	}
+	for s.sc.Scan() {
+		var line struct {
+			Op      string  `json:"op"`
+			Block   int     `json:"block"`
+			Batch   int     `json:"batch"`
+			Make    []int64 `json:"make_ns"`
+			Post    []int64 `json:"post_ns"`
+			Xfer    []int64 `json:"xfer_ns"`
+			Release []int64 `json:"release_ns"`
+		}
+		if json.Unmarshal(s.sc.Bytes(), &line) != nil || line.Op == "" {
 			continue // not ours
 		}
-		if line.Info != nil {
-			info = fmt.Sprintf("%s (%s)", line.Info["module"], line.Info["api_file"])
-			continue
-		}
-		res = append(res, summarize("nixl-python", line.Op, line.Block, line.Batch, line.Make, line.Post, line.Xfer, line.Release))
+		return summarize("nixl-python", line.Op, line.Block, line.Batch, line.Make, line.Post, line.Xfer, line.Release), nil
 	}
-	if err := cmd.Wait(); err != nil {
-		return res, info, fmt.Errorf("%s %s: %w", py, script, err)
+	return result{}, errors.New("NIXL-Python bench exited")
+}
+
+func (s *pyServer) close() {
+	_, _ = io.WriteString(s.stdin, "quit\n")
+	_ = s.stdin.Close()
+	done := make(chan struct{})
+	go func() { _ = s.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-done
 	}
-	return res, info, nil
 }
 
 type report struct {
@@ -714,22 +767,56 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 	defer in.stop()
 	rep := report{Command: "gonixl-bench transfer " + strings.Join(args, " "), Engine: o.engine, Info: in.e.Info()}
 	fmt.Fprintf(stdout, "engine %s: %s\npattern %s, progress thread %v, cap %d MiB a side\n", o.engine, rep.Info, o.pattern, o.progress, o.capBytes>>20)
-	module := pythonModule(rep.Info)
-	for round := 0; round < o.rounds; round++ {
-		g, err := in.sweep()
-		if err != nil {
-			return err
+	var py *pyServer
+	if o.python != "none" && o.engine != "fake" {
+		if py, err = startPython(o, pythonModule(rep.Info), stderr); err != nil {
+			fmt.Fprintf(stderr, "NIXL-Python comparison skipped: %v\n", err)
+		} else {
+			rep.PyInfo = py.info
+			defer func() {
+				if py != nil {
+					py.close()
+				}
+			}()
 		}
-		rep.Go = keepBest(rep.Go, g)
-		if o.python != "none" && o.engine != "fake" {
-			py, info, err := runPython(o, module, stderr)
-			rep.Python, rep.PyInfo = keepBest(rep.Python, py), info
-			if err != nil {
-				fmt.Fprintf(stderr, "NIXL-Python run failed: %v\n", err)
+	}
+	// Size by size, gonixl and NIXL-Python back to back (order swapped
+	// every round), so that both see the same host load.
+	for round := 0; round < o.rounds; round++ {
+		for _, c := range o.combos() {
+			runGo := func() error {
+				r, err := in.measure(c)
+				if err == nil {
+					rep.Go = keepBest(rep.Go, []result{r})
+				}
+				return err
+			}
+			runPy := func() {
+				if py == nil {
+					return
+				}
+				r, err := py.measure(c)
+				if err != nil {
+					fmt.Fprintf(stderr, "NIXL-Python comparison stopped: %v\n", err)
+					py.close()
+					py = nil
+					return
+				}
+				rep.Python = keepBest(rep.Python, []result{r})
+			}
+			if round%2 == 1 {
+				runPy()
+			}
+			if err := runGo(); err != nil {
+				return err
+			}
+			if round%2 == 0 {
+				runPy()
 			}
 		}
 		rep.Rounds = round + 1
 	}
+	in.releaseCache()
 	if o.overheadDescs > 0 {
 		ov, err := in.overhead(o.overheadDescs)
 		if err != nil {
@@ -798,15 +885,15 @@ func printReport(w io.Writer, rep *report) {
 	if rep.PyInfo != "" {
 		fmt.Fprintf(w, "NIXL-Python: %s\n", rep.PyInfo)
 	}
-	fmt.Fprintf(w, "best of %d round(s) per size; ratio = gonixl GB/s / NIXL-Python GB/s\n", rep.Rounds)
+	fmt.Fprintf(w, "best of %d round(s) per size, gonixl and NIXL-Python alternating size by size; GB/s from the median transfer time (robust to load spikes), GB/s mean = Σbytes/Σtime; ratio = gonixl GB/s / NIXL-Python GB/s\n", rep.Rounds)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "op\tblock\tbatch\titers\tGB/s\tmake µs\tpost µs\txfer µs p50\txfer µs p99\trelease µs\tpy GB/s\tpy make µs\tpy post µs\tpy xfer µs\tratio\t")
+	fmt.Fprintln(tw, "op\tblock\tbatch\titers\tGB/s\tGB/s mean\tmake µs\tpost µs\txfer µs p50\txfer µs p99\trelease µs\tpy GB/s\tpy GB/s mean\tpy make µs\tpy post µs\tpy xfer µs\tratio\t")
 	for _, r := range rep.Go {
-		line := fmt.Sprintf("%s\t%s\t%d\t%d\t%.3f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t", r.Op, sizeStr(r.Block), r.Batch, r.Iters, r.GBps, r.MakeUs, r.PostUs, r.XferUs, r.XferP99Us, r.ReleaseUs)
+		line := fmt.Sprintf("%s\t%s\t%d\t%d\t%.3f\t%.3f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t", r.Op, sizeStr(r.Block), r.Batch, r.Iters, r.GBps, r.GBpsMean, r.MakeUs, r.PostUs, r.XferUs, r.XferP99Us, r.ReleaseUs)
 		if p, ok := py[fmt.Sprintf("%s/%d/%d", r.Op, r.Block, r.Batch)]; ok && p.GBps > 0 {
-			line += fmt.Sprintf("%.3f\t%.1f\t%.1f\t%.1f\t%.2f\t", p.GBps, p.MakeUs, p.PostUs, p.XferUs, r.GBps/p.GBps)
+			line += fmt.Sprintf("%.3f\t%.3f\t%.1f\t%.1f\t%.1f\t%.2f\t", p.GBps, p.GBpsMean, p.MakeUs, p.PostUs, p.XferUs, r.GBps/p.GBps)
 		} else {
-			line += "-\t-\t-\t-\t-\t"
+			line += "-\t-\t-\t-\t-\t-\t"
 		}
 		fmt.Fprintln(tw, line)
 	}

@@ -150,3 +150,38 @@ func TestKeepBest(t *testing.T) {
 		t.Fatalf("%+v", got)
 	}
 }
+
+// The NIXL-Python comparison end to end (the project's .venv), tiny sizes.
+func TestTransferWithPython(t *testing.T) {
+	e, err := nixl.Lookup("nixl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Available(); err != nil {
+		t.Skipf("NIXL not available: %v", err)
+	}
+	wd, _ := os.Getwd()
+	if findUp(wd, ".venv/bin/python") == "" {
+		t.Skip("no .venv/bin/python above the working directory")
+	}
+	var out, errb bytes.Buffer
+	js := filepath.Join(t.TempDir(), "r.json")
+	err = runTransfer([]string{"-ops", "read", "-block-sizes", "4KiB", "-batch-sizes", "1,4", "-cap", "1MiB", "-min-time", "1ms",
+		"-min-iters", "2", "-mem-iters", "0", "-overhead-descs", "0", "-rounds", "2", "-json", js}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\n%s\n%s", err, out.String(), errb.String())
+	}
+	var rep report
+	b, _ := os.ReadFile(js)
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Python) != 2 || rep.Rounds != 2 || !strings.Contains(rep.PyInfo, "_api.py") {
+		t.Fatalf("python results %+v rounds %d info %q\nstderr:\n%s", rep.Python, rep.Rounds, rep.PyInfo, errb.String())
+	}
+	for _, r := range rep.Python {
+		if r.Iters < 2 || r.GBps <= 0 {
+			t.Errorf("python result %+v", r)
+		}
+	}
+}
