@@ -56,7 +56,21 @@ type peer struct {
 	lastLive time.Time
 	dead     bool
 	deadWhy  string
-	noCMA    bool // the kernel denied cross-memory attach to this peer
+	noCMA    bool       // the kernel denied cross-memory attach to this peer
+	md       []mdRegion // regions as last loaded, to recognise a reload
+}
+
+func sameRegions(a, b []mdRegion) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		x, y := a[i], b[i]
+		if x.Mem != y.Mem || x.Addr != y.Addr || x.Len != y.Len || x.DevID != y.DevID || !bytes.Equal(x.Rkey, y.Rkey) {
+			return false
+		}
+	}
+	return true
 }
 
 // checkDead reports whether the peer is known dead, looking at /proc (at
@@ -388,6 +402,11 @@ func (a *agent) loadLocked(m *metadata) error {
 		delete(a.peers, m.Name)
 		p = nil
 	}
+	if p != nil && sameRegions(p.md, m.Regions) {
+		// A re-handshake with unchanged metadata: keep the rkeys, and the
+		// lists and transfers prepared against them stay valid.
+		return nil
+	}
 	fresh := p == nil
 	if fresh {
 		ca := cBytes(m.Address)
@@ -452,6 +471,7 @@ func (a *agent) loadLocked(m *metadata) error {
 	p.retired = append(p.retired, p.rkeys...)
 	p.rkeys = rkeys
 	p.regions = regions
+	p.md = m.Regions
 	a.gen++
 	p.gen = a.gen
 	a.peers[m.Name] = p

@@ -283,3 +283,149 @@ func TestGarbageMetadata(t *testing.T) {
 		t.Fatalf("good metadata after garbage: %v", err)
 	}
 }
+
+// A re-handshake with identical metadata keeps prepared transfers valid; a
+// reload that changes the regions makes them fail with ERR_NOT_FOUND.
+func TestReloadMetadata(t *testing.T) {
+	p := newPair(t, 8192, map[string]string{ParamErrMode: "none"}, false)
+	extra := mmapBuf(t, 4096)
+	l, err := p.a.PrepDescList("", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufA), Len: 64}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := p.a.PrepDescList("B", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufB), Len: 64}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	x, err := p.a.MakeXfer(nixl.Read, l, []int32{0}, r, []int32{0}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	md, _ := p.b.LocalMetadata()
+	if _, err := p.a.LoadRemoteMetadata(md); err != nil {
+		t.Fatalf("identical reload: %v", err)
+	}
+	if _, err := x.Post(); err != nil {
+		t.Fatalf("Post after identical reload: %v", err)
+	}
+	if st, err := wait(t, x, p.b, 10*time.Second); st != nixl.Success {
+		t.Fatal(st, err)
+	}
+	if err := p.b.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(extra), Len: 4096}}); err != nil {
+		t.Fatal(err)
+	}
+	md, _ = p.b.LocalMetadata()
+	if _, err := p.a.LoadRemoteMetadata(md); err != nil {
+		t.Fatalf("reload with a new region: %v", err)
+	}
+	if _, err := x.Post(); !errors.Is(err, nixl.ErrNotFound) {
+		t.Errorf("Post against replaced metadata: %v, want ERR_NOT_FOUND", err)
+	}
+	if _, err := p.a.MakeXfer(nixl.Read, l, []int32{0}, r, []int32{0}, nil); !errors.Is(err, nixl.ErrNotFound) {
+		t.Errorf("MakeXfer with a stale remote list: %v, want ERR_NOT_FOUND", err)
+	}
+	r2, err := p.a.PrepDescList("B", nixl.DRAM, []nixl.Desc{{Addr: addrOf(extra) + 100, Len: 64}})
+	if err != nil {
+		t.Fatalf("new region not visible after reload: %v", err)
+	}
+	r2.Release()
+	x.Release()
+	if err := p.b.DeregisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(extra), Len: 4096}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.b.DeregisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(extra), Len: 4096}}); !errors.Is(err, nixl.ErrNotFound) {
+		t.Errorf("second DeregisterMem: %v", err)
+	}
+}
+
+// Several goroutines drive one agent at once (transfers, notifications,
+// metadata) while its progress thread runs: run with -race.
+func TestConcurrentUse(t *testing.T) {
+	const blk, nblk, workers = 4096, 32, 4
+	p := newPair(t, blk*nblk, map[string]string{ParamErrMode: "none"}, true)
+	descs := func(base []byte) []nixl.Desc {
+		d := make([]nixl.Desc, nblk)
+		for i := range d {
+			d[i] = nixl.Desc{Addr: addrOf(base) + uint64(i*blk), Len: blk}
+		}
+		return d
+	}
+	local, err := p.a.PrepDescList("", nixl.DRAM, descs(p.bufA))
+	if err != nil {
+		t.Fatal(err)
+	}
+	remote, err := p.a.PrepDescList("B", nixl.DRAM, descs(p.bufB))
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, workers+1)
+	stop := make(chan struct{})
+	go func() { // the target drains notifications meanwhile
+		for {
+			select {
+			case <-stop:
+				errs <- nil
+				return
+			default:
+			}
+			if _, err := p.b.GetNotifs(); err != nil {
+				errs <- err
+				return
+			}
+		}
+	}()
+	done := make(chan error, workers)
+	for w := 0; w < workers; w++ {
+		go func(w int) {
+			for i := 0; i < 50; i++ {
+				idx := []int32{int32(w * 8), int32(w*8 + 1 + i%7)}
+				op := nixl.Read
+				if i%2 == 1 {
+					op = nixl.Write
+				}
+				x, err := p.a.MakeXfer(op, local, idx, remote, idx, []byte("w"))
+				if err != nil {
+					done <- err
+					return
+				}
+				if _, err := x.Post(); err != nil {
+					done <- err
+					return
+				}
+				deadline := time.Now().Add(20 * time.Second)
+				for {
+					st, err := x.Check()
+					if err != nil {
+						done <- err
+						return
+					}
+					if st == nixl.Success {
+						break
+					}
+					if time.Now().After(deadline) {
+						done <- errors.New("transfer stuck")
+						return
+					}
+				}
+				if err := x.Release(); err != nil {
+					done <- err
+					return
+				}
+				if _, err := p.a.LocalMetadata(); err != nil {
+					done <- err
+					return
+				}
+			}
+			done <- nil
+		}(w)
+	}
+	for w := 0; w < workers; w++ {
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}
+	close(stop)
+	if err := <-errs; err != nil {
+		t.Error(err)
+	}
+}

@@ -73,7 +73,7 @@ func (x *xfer) Post() (nixl.Status, error) {
 	}
 	rc := C.gx_post(a.c, p.ep, C.int(x.op),
 		(*C.gx_iov)(unsafe.Pointer(&x.ops[0])), C.size_t(len(x.ops)),
-		&p.rkeys[0], C.size_t(len(p.rkeys)),
+		rkeyPtr(p.rkeys), C.size_t(len(p.rkeys)),
 		memhPtr(a.memhs), C.size_t(len(a.memhs)), x.c)
 	x.postDur = time.Since(x.start)
 	return x.settle(rc, fn)
@@ -100,10 +100,20 @@ func (x *xfer) postCMA(fn string) (st nixl.Status, err error, done bool) {
 		return 0, nil, false
 	case gxErrEpFailed:
 		p.dead, p.deadWhy = true, fmt.Sprintf("peer process %d has exited", p.proc.Pid)
+		err := nixl.Errorf(nixl.ErrRemoteDiscon, fn, "transfer to %s: %s", p.name, p.deadWhy)
+		x.final, x.finalErr = nixl.ErrRemoteDiscon, err
+		return x.final, err, true
 	}
 	x.postDur = time.Since(x.start)
 	st, err = x.settle(rc, fn)
 	return st, err, true
+}
+
+func rkeyPtr(r []C.ucp_rkey_h) *C.ucp_rkey_h {
+	if len(r) == 0 {
+		return nil
+	}
+	return &r[0]
 }
 
 func memhPtr(m []C.ucp_mem_h) *C.ucp_mem_h {
