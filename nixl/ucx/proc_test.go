@@ -264,3 +264,31 @@ func peerKilled(t *testing.T, mode string) {
 	}
 	x2.Release()
 }
+
+// TestUnavailableReportsWhy loads a libucp that does not exist (in a child
+// process: the library is loaded once per process) and checks that the
+// engine says why it is unavailable instead of failing to load.
+func TestUnavailableReportsWhy(t *testing.T) {
+	if os.Getenv("GONIXL_UCX_TEST_AVAIL") != "" {
+		e, err := nixl.Lookup(EngineName)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = e.Available()
+		fmt.Printf("available=%v unavailable=%v\ninfo=%s\n", err == nil, errors.Is(err, nixl.ErrUnavailable), e.Info())
+		if _, err := e.NewAgent(nixl.AgentConfig{Name: "x"}); err == nil {
+			t.Fatal("NewAgent succeeded without UCX")
+		}
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestUnavailableReportsWhy$", "-test.v")
+	cmd.Env = append(os.Environ(), "GONIXL_UCX_TEST_AVAIL=1", EnvLib+"=/nonexistent/libucp.so.0")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+	s := string(out)
+	if !strings.Contains(s, "available=false unavailable=true") || !strings.Contains(s, "/nonexistent/libucp.so.0") || !strings.Contains(s, EnvLib) {
+		t.Errorf("child output does not explain the missing library:\n%s", s)
+	}
+}
