@@ -70,7 +70,7 @@ func runUCXPerf(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&batch, "batch", 64, "descriptors per gonixl transfer")
 	fs.StringVar(&capS, "cap", "256MiB", "bytes registered per side (blocks are scattered over it)")
 	fs.StringVar(&tls, "tls", "", "UCX_TLS for every process (empty: inherit)")
-	fs.StringVar(&errMode, "err-mode", "none", "endpoint error handling: none or peer (ucx_perftest -e)")
+	fs.StringVar(&errMode, "err-mode", "none", "endpoint error handling: none, peer (ucx_perftest -e) or auto (none here: one host)")
 	fs.StringVar(&perftest, "perftest", "", "ucx_perftest binary (default: the one matching the loaded libucp)")
 	fs.IntVar(&perftestMiB, "perftest-mib", 2048, "MiB moved per ucx_perftest size")
 	fs.DurationVar(&minTime, "min-time", time.Second, "minimum time per gonixl (op, block)")
@@ -87,8 +87,8 @@ func runUCXPerf(args []string, stdout, stderr io.Writer) error {
 	if err != nil || len(c) != 1 {
 		return fmt.Errorf("-cap: bad size %q", capS)
 	}
-	if errMode != "none" && errMode != "peer" {
-		return fmt.Errorf("-err-mode: want none or peer, got %q", errMode)
+	if errMode != "none" && errMode != "peer" && errMode != "auto" {
+		return fmt.Errorf("-err-mode: want none, peer or auto, got %q", errMode)
 	}
 	var ops []nixl.XferOp
 	for _, s := range strings.Split(opsS, ",") {

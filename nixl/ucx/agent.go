@@ -414,16 +414,17 @@ func (a *agent) loadLocked(m *metadata) error {
 			return nixl.Errorf(nixl.ErrBackend, op, "out of memory")
 		}
 		errBuf := (*C.char)(C.malloc(1024))
-		peerMode := C.int(0)
-		if a.set.peerMode {
-			peerMode = 1
+		pm := a.set.peerModeFor(m.Proc)
+		peerMode, modeName := C.int(0), "none"
+		if pm {
+			peerMode, modeName = 1, "peer"
 		}
 		ep := C.gx_ep_create(a.c, ca, C.size_t(len(m.Address)), peerMode, errBuf, 1024)
 		C.free(ca)
 		if ep == nil {
 			msg := C.GoString(errBuf)
 			C.free(unsafe.Pointer(errBuf))
-			if !a.set.peerMode {
+			if !pm {
 				return nixl.Errorf(nixl.ErrBackend, op, "connect to %q: %s", m.Name, msg)
 			}
 			return nixl.Errorf(nixl.ErrBackend, op,
@@ -434,7 +435,7 @@ func (a *agent) loadLocked(m *metadata) error {
 		p = &peer{name: m.Name, addr: m.Address, ep: ep, proc: m.Proc, local: sameHost(m.Proc)}
 		if a.epInfo == "" {
 			if s := C.gx_ep_info(ep); s != nil {
-				a.epInfo = fmt.Sprintf("ucx endpoint %s -> %s (error handling %s):\n%s", a.name, m.Name, a.set.errMode, strings.TrimRight(C.GoString(s), "\n"))
+				a.epInfo = fmt.Sprintf("ucx endpoint %s -> %s (error handling %s, setting %s):\n%s", a.name, m.Name, modeName, a.set.errMode, strings.TrimRight(C.GoString(s), "\n"))
 				C.free(unsafe.Pointer(s))
 			}
 		}

@@ -429,3 +429,13 @@ func TestConcurrentUse(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// The default error mode, auto, uses "none" for a peer on this host, so UCX
+// may pick shared memory instead of TCP.
+func TestAutoErrModeSameHost(t *testing.T) {
+	p := newPair(t, 4096, nil, false)
+	info := p.a.(*agent).EndpointInfo()
+	if !strings.Contains(info, "error handling none, setting auto") {
+		t.Errorf("endpoint info: %s", info)
+	}
+}

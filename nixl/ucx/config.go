@@ -12,8 +12,10 @@ import (
 // are NIXL's UCX plugin parameters, so a vLLM configuration that works with
 // the "nixl" engine means the same here.
 const (
-	// ParamErrMode: "peer" (default) or "none". "error_handling" is
-	// accepted as an alias.
+	// ParamErrMode: "auto" (default), "peer" or "none". "error_handling"
+	// is accepted as an alias. auto picks none for a peer on this host
+	// (shared memory; a dead peer is caught through /proc) and peer for
+	// any other (UCX detects its failure).
 	ParamErrMode = "ucx_error_handling_mode"
 	// ParamEngineConfig: raw UCX settings "KEY=VAL,KEY=VAL" (keys without
 	// the UCX_ prefix), applied with ucp_config_modify.
@@ -30,10 +32,20 @@ const (
 	EnvDataPath = "GONIXL_UCX_DATA_PATH"
 )
 
+// peerModeFor returns whether an endpoint to a peer described by proc uses
+// UCP_ERR_HANDLING_MODE_PEER.
+func (s settings) peerModeFor(proc procID) bool {
+	if s.autoMode {
+		return !sameHost(proc)
+	}
+	return s.peerMode
+}
+
 // settings is the resolved configuration of one agent.
 type settings struct {
-	peerMode bool
-	errMode  string // "peer" or "none", for Info
+	peerMode bool   // with errMode "peer"
+	autoMode bool   // errMode "auto": per peer, none on this host, else peer
+	errMode  string // "auto", "peer" or "none", for Info
 	errFrom  string // where errMode came from
 	ucxCfg   []string
 	cma      bool // data path "cma" for same-host peers
@@ -70,15 +82,17 @@ func resolveSettings(cfg nixl.AgentConfig, env func(string) string) (settings, e
 	case env(EnvErrMode) != "":
 		mode, from = env(EnvErrMode), EnvErrMode
 	default:
-		mode, from = "peer", "default"
+		mode, from = "auto", "default"
 	}
 	switch strings.ToLower(mode) {
+	case "auto":
+		s.autoMode, s.errMode = true, "auto"
 	case "peer":
 		s.peerMode, s.errMode = true, "peer"
 	case "none":
 		s.peerMode, s.errMode = false, "none"
 	default:
-		return s, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "%s=%q: want peer or none", from, mode)
+		return s, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "%s=%q: want auto, peer or none", from, mode)
 	}
 	s.errFrom = from
 

@@ -54,16 +54,23 @@
 // # Configuration
 //
 // BackendParams["UCX"] takes NIXL's UCX plugin keys: ucx_error_handling_mode
-// (alias error_handling) "peer" or "none", engine_config "KEY=VAL,...",
-// device_list, and this engine's data_path "ucp" (default) or "cma". The
-// error mode falls back to $GONIXL_UCX_ERR_MODE, then "peer"; the data path
-// to $GONIXL_UCX_DATA_PATH, then "ucp". On UCX 1.13, peer mode lets UCP use only transports that detect
-// peer failure, which pushes same-host traffic onto TCP; none allows shared
-// memory and CMA but a dead peer may then go unnoticed. UCX_* environment
-// variables apply as usual (UCX_TLS, UCX_NET_DEVICES, ...). The agent's
-// EndpointInfo method returns UCX's lane summary for the first endpoint and
-// Info a one-line description; callers log both at info level (this package
-// does not log).
+// (alias error_handling) "auto", "peer" or "none", engine_config
+// "KEY=VAL,...", device_list, and this engine's data_path "ucp" (default)
+// or "cma". The error mode falls back to $GONIXL_UCX_ERR_MODE, then "auto";
+// the data path to $GONIXL_UCX_DATA_PATH, then "ucp".
+//
+// On UCX 1.13, peer mode lets UCP use only transports that detect peer
+// failure, which pushes same-host traffic onto TCP (about 1 GB/s here);
+// none allows shared memory and CMA (6-9 GB/s) but UCX then never notices a
+// dead peer. auto, the default, uses none for a peer on this host (same
+// boot id and pid namespace in its metadata), whose death the engine
+// detects through /proc, and peer for every other peer. NIXL's own default
+// is peer; set it explicitly for NIXL's behaviour.
+//
+// UCX_* environment variables apply as usual (UCX_TLS, UCX_NET_DEVICES,
+// ...). The agent's EndpointInfo method returns UCX's lane summary for the
+// first endpoint and Info a one-line description; callers log both at info
+// level (this package does not log).
 //
 // # Imports
 //

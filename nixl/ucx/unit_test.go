@@ -171,7 +171,7 @@ func TestResolveSettings(t *testing.T) {
 		return c
 	}
 	s, err := resolveSettings(cfg(nil), env(nil))
-	if err != nil || !s.peerMode || s.errFrom != "default" {
+	if err != nil || !s.autoMode || s.errFrom != "default" {
 		t.Errorf("default: %+v %v", s, err)
 	}
 	if !reflect.DeepEqual(s.ucxCfg, []string{"RNDV_THRESH=inf"}) {
@@ -182,8 +182,15 @@ func TestResolveSettings(t *testing.T) {
 		t.Errorf("env: %+v", s)
 	}
 	s, _ = resolveSettings(cfg(map[string]string{ParamErrMode: "peer"}), env(map[string]string{EnvErrMode: "none"}))
-	if !s.peerMode {
+	if !s.peerMode || s.autoMode {
 		t.Errorf("param must win over env: %+v", s)
+	}
+	if !s.peerModeFor(thisProc()) {
+		t.Error("peer mode must apply to a same-host peer too")
+	}
+	s, _ = resolveSettings(cfg(map[string]string{ParamErrMode: "auto"}), env(nil))
+	if s.peerModeFor(thisProc()) || !s.peerModeFor(procID{BootID: "elsewhere", Pid: 1, Start: 1}) {
+		t.Error("auto: want none on this host, peer elsewhere")
 	}
 	s, _ = resolveSettings(cfg(map[string]string{"error_handling": "NONE", ParamDevices: "lo, eth0:1", ParamEngineConfig: "UCX_TLS=tcp, MAX_EAGER_LANES=2"}), env(nil))
 	if s.peerMode || !reflect.DeepEqual(s.ucxCfg, []string{"RNDV_THRESH=inf", "NET_DEVICES=lo:1,eth0:1", "TLS=tcp", "MAX_EAGER_LANES=2"}) {
