@@ -25,6 +25,24 @@
 // relayed as is (it is the client's error). A client that disconnects cancels
 // the upstream requests through the request context.
 //
+// Where it differs from the reference proxies, on purpose:
+//   - a client's own X-Request-Id is forwarded (the reference always makes a
+//     new UUID; one is made here when the client sends none);
+//   - without OPENAI_API_KEY no "Bearer None" is sent: the client's own
+//     Authorization header, if any, is forwarded;
+//   - the toy proxy answers with the decode instance's Content-Type
+//     (text/event-stream for streams), not always application/json;
+//   - upstream failures become 502/504 JSON errors, and upstream 4xx answers
+//     are relayed, instead of a 500 or a broken stream;
+//   - in multi-turn mode, when the prefill instance returns no
+//     kv_transfer_params the decode instance gets the client's request
+//     without the parameters meant for the prefill instance;
+//   - --reuse-mode oneway (from a later revision of the multi-turn proxy that
+//     the stored sources lack) is read as "never cache": every turn misses;
+//   - the conversation cache is bounded (Config.MaxConversations);
+//   - GET /v1/models is forwarded to a decode instance, and both health
+//     endpoints and /metrics are served in both modes.
+//
 // Imports: the standard library (net/http, net/http/httputil, encoding/json),
 // client_golang and zap. It imports none of gonixl's engine packages (nixl,
 // shim, sidechannel, capi): the proxy only moves JSON between HTTP servers.
