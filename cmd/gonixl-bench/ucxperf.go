@@ -116,7 +116,7 @@ func runUCXPerf(args []string, stdout, stderr io.Writer) error {
 	}
 	rep := &perfReport{Command: "gonixl-bench ucxperf " + strings.Join(args, " "), Library: e.Info(),
 		UCXTLS: os.Getenv("UCX_TLS"), ErrMode: errMode}
-	ptBin, ptEnv := perftestFor(perftest, ucx.LibraryPath())
+	ptBin, _ := perftestFor(perftest, ucx.LibraryPath())
 	rep.Perftest = ptBin
 	fmt.Fprintf(stdout, "%s\nUCX_TLS=%q, error handling %s, ucx_perftest %s\n", rep.Library, rep.UCXTLS, errMode, ptBin)
 
@@ -144,37 +144,9 @@ func runUCXPerf(args []string, stdout, stderr io.Writer) error {
 	}
 
 	// 2. memcpy on one core, 3. ucx_perftest, per size.
-	big, err := memcpyBig(64 << 20)
+	rep.Rows, rep.MemcpyBigGBs, err = ucxPerfCompare(stderr, ops, blocks, batch, c[0], minTime, perftest, errMode, perftestMiB, rep.Transfer.Go)
 	if err != nil {
 		return err
-	}
-	rep.MemcpyBigGBs = big
-	got := map[string]float64{}
-	for _, r := range rep.Transfer.Go {
-		got[fmt.Sprintf("%s/%d", r.Op, r.Block)] = r.GBps
-	}
-	for _, op := range ops {
-		name := strings.ToLower(op.String())
-		for _, blk := range blocks {
-			row := perfRow{Op: name, Block: blk, Batch: batch, GonixlGBps: got[fmt.Sprintf("%s/%d", name, blk)]}
-			if row.MemcpyGBps, err = memcpyScattered(blk, batch, c[0], minTime); err != nil {
-				return err
-			}
-			iters := max(200, min(1_000_000, perftestMiB<<20/blk))
-			row.PerftestIters = iters
-			row.PerftestGBps, err = runPerftest(ptBin, ptEnv, op, blk, iters, errMode == "peer")
-			if err != nil {
-				row.PerftestErrMsg = err.Error()
-				fmt.Fprintf(stderr, "ucx_perftest %s %d: %v\n", name, blk, err)
-			}
-			if row.PerftestGBps > 0 {
-				row.RatioPerftest = row.GonixlGBps / row.PerftestGBps
-			}
-			if row.MemcpyGBps > 0 {
-				row.RatioMemcpy = row.GonixlGBps / row.MemcpyGBps
-			}
-			rep.Rows = append(rep.Rows, row)
-		}
 	}
 	printPerf(stdout, rep)
 	if jsonOut != "" {
@@ -184,6 +156,51 @@ func runUCXPerf(args []string, stdout, stderr io.Writer) error {
 		}
 	}
 	return nil
+}
+
+// ucxPerfCompare runs, for each op and block size, ucx_perftest with that
+// message size and a single-core memcpy of the same scattered blocks, and
+// pairs them with the gonixl results of the transfer benchmark (rows for
+// batch). It is the hook the transfer benchmark can call for -engine ucx:
+// UCX_TLS and GONIXL_UCX_ERR_MODE must already be set as for the transfer
+// run. perftest "" picks the binary matching the loaded libucp.
+func ucxPerfCompare(stderr io.Writer, ops []nixl.XferOp, blocks []int, batch, capBytes int, minTime time.Duration,
+	perftest, errMode string, perftestMiB int, gonixl []result) (rows []perfRow, memcpy64MiB float64, err error) {
+	ptBin, ptEnv := perftestFor(perftest, ucx.LibraryPath())
+	if memcpy64MiB, err = memcpyBig(64 << 20); err != nil {
+		return nil, 0, err
+	}
+	got := map[string]float64{}
+	for _, r := range gonixl {
+		if r.Batch == batch {
+			got[fmt.Sprintf("%s/%d", r.Op, r.Block)] = r.GBps
+		}
+	}
+	for _, op := range ops {
+		name := strings.ToLower(op.String())
+		for _, blk := range blocks {
+			row := perfRow{Op: name, Block: blk, Batch: batch, GonixlGBps: got[fmt.Sprintf("%s/%d", name, blk)]}
+			if row.MemcpyGBps, err = memcpyScattered(blk, batch, capBytes, minTime); err != nil {
+				return nil, 0, err
+			}
+			iters := max(200, min(1_000_000, perftestMiB<<20/blk))
+			row.PerftestIters = iters
+			row.PerftestGBps, err = runPerftest(ptBin, ptEnv, op, blk, iters, errMode == "peer")
+			if err != nil {
+				row.PerftestErrMsg = err.Error()
+				fmt.Fprintf(stderr, "ucx_perftest %s %d: %v\n", name, blk, err)
+				err = nil
+			}
+			if row.PerftestGBps > 0 {
+				row.RatioPerftest = row.GonixlGBps / row.PerftestGBps
+			}
+			if row.MemcpyGBps > 0 {
+				row.RatioMemcpy = row.GonixlGBps / row.MemcpyGBps
+			}
+			rows = append(rows, row)
+		}
+	}
+	return rows, memcpy64MiB, nil
 }
 
 func printPerf(w io.Writer, rep *perfReport) {
