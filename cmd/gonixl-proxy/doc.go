@@ -6,6 +6,9 @@
 //	gonixl-proxy --port 8192 --prefiller-hosts 127.0.0.1 --prefiller-ports 8100 \
 //	    --decoder-hosts 127.0.0.1 --decoder-ports 8200
 //
+// --host defaults to 127.0.0.1 in both modes (disagg_proxy_multiturn.py
+// listens on 0.0.0.0 by default): pass --host 0.0.0.0 to serve other hosts.
+//
 // Once the listening socket is bound it logs "listening on HOST:PORT" to
 // stderr, and from then on GET /healthcheck answers 200. Upstream requests
 // carry "Authorization: Bearer $OPENAI_API_KEY" when that variable is set.
