@@ -451,7 +451,13 @@ func (s *statusWriter) Write(b []byte) (int, error) {
 	return s.ResponseWriter.Write(b)
 }
 
-func (s *statusWriter) Flush() { _ = http.NewResponseController(s.ResponseWriter).Flush() }
+func (s *statusWriter) Flush() {
+	if f, ok := s.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+		return
+	}
+	_ = http.NewResponseController(s.ResponseWriter).Flush()
+}
 
 func (s *statusWriter) Unwrap() http.ResponseWriter { return s.ResponseWriter }
 
