@@ -51,8 +51,9 @@ func TestConversationCacheEvictAndBound(t *testing.T) {
 	c.Put("a", []byte(`{}`))
 	clk.advance(5 * time.Second)
 	c.Put("b", []byte(`{}`))
+	clk.advance(time.Second)
 	c.Put("c", []byte(`{}`))
-	clk.advance(6 * time.Second) // a is stale
+	clk.advance(5 * time.Second) // a is 11 s old: stale
 	if n := c.EvictStale(); n != 1 || c.Len() != 2 {
 		t.Fatalf("EvictStale = %d, Len = %d; want 1, 2", n, c.Len())
 	}
