@@ -1,3 +1,5 @@
+//go:build cgo && !gonixl_noucx
+
 package ucx
 
 /*

@@ -12,7 +12,9 @@
 // site-packages directory (under $VIRTUAL_ENV or mapped into the process);
 // else the system's libucp.so.0 (Debian: libucx0). UCX 1.13 or newer is
 // required. Building needs the UCX headers (Debian: libucx-dev); the C half
-// (gxucx.c) calls UCP only through the resolved function pointers.
+// (gxucx.c) calls UCP only through the resolved function pointers. Built
+// with CGO_ENABLED=0 or the tag gonixl_noucx, the package registers a stub
+// engine whose Available says so (stub.go).
 //
 // # Mapping onto UCP
 //

@@ -1,3 +1,5 @@
+//go:build cgo && !gonixl_noucx
+
 /* gxucx.c: see gxucx.h. */
 #define _GNU_SOURCE
 #include "gxucx.h"

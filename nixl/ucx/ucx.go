@@ -1,3 +1,5 @@
+//go:build cgo && !gonixl_noucx
+
 package ucx
 
 /*
@@ -10,7 +12,6 @@ import "C"
 
 import (
 	"bufio"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -20,18 +21,6 @@ import (
 	"unsafe"
 
 	"github.com/gonixl/gonixl/nixl"
-)
-
-// EngineName is the registry key of this engine.
-const EngineName = "ucx"
-
-// Environment variables read by this package.
-const (
-	// EnvLib names the libucp to load, overriding the search.
-	EnvLib = "GONIXL_UCX_LIB"
-	// EnvErrMode sets the endpoint error-handling mode ("peer" or "none")
-	// when the backend parameters do not.
-	EnvErrMode = "GONIXL_UCX_ERR_MODE"
 )
 
 // The C array of operations is a []op reinterpreted: same size and field
@@ -216,8 +205,6 @@ func statusOf(rc C.int) nixl.Status {
 func rcError(rc C.int, op, what string) error {
 	return &nixl.Error{Status: statusOf(rc), Op: op, Msg: what + ": " + C.GoString(C.gx_status_string(rc))}
 }
-
-var errClosed = errors.New("agent closed")
 
 // statusOfInt is statusOf for Go callers (tests).
 func statusOfInt(rc int) nixl.Status { return statusOf(C.int(rc)) }

@@ -216,15 +216,3 @@ func TestResolveSettings(t *testing.T) {
 	}
 }
 
-func TestStatusMapping(t *testing.T) {
-	for rc, want := range map[int]nixl.Status{
-		0: nixl.Success, 1: nixl.InProgress, gxErrRepostActive: nixl.ErrRepostActive,
-		gxErrEpFailed: nixl.ErrRemoteDiscon, gxErrEpClosed: nixl.ErrRemoteDiscon,
-		-25: nixl.ErrRemoteDiscon, -24: nixl.ErrRemoteDiscon, -16: nixl.ErrRemoteDiscon, -80: nixl.ErrRemoteDiscon, -45: nixl.ErrRemoteDiscon,
-		-5: nixl.ErrInvalidParam, -3: nixl.ErrBackend, -4: nixl.ErrBackend,
-	} {
-		if got := statusOfInt(rc); got != want {
-			t.Errorf("rc %d → %v, want %v", rc, got, want)
-		}
-	}
-}
