@@ -215,4 +215,3 @@ func TestResolveSettings(t *testing.T) {
 		t.Errorf("foreign backend: %v", err)
 	}
 }
-
