@@ -164,7 +164,7 @@ func (c *Client) Start(host string, port int, engineID string, ranks ...Rank) *F
 	go func() {
 		defer c.wg.Done()
 		ctx, cancel := context.WithTimeout(c.ctx, c.cfg.Timeout)
-		res, err := c.run(ctx, host, port, engineID, ranks)
+		res, err := c.runGuarded(ctx, host, port, engineID, ranks)
 		cancel()
 		c.mu.Lock()
 		delete(c.flights, key)
@@ -183,6 +183,18 @@ func flightKey(host string, port int, engineID string, ranks []Rank) string {
 		fmt.Fprintf(&b, "/%d.%d", r.PP, r.TP)
 	}
 	return b.String()
+}
+
+// runGuarded turns a panic in the handshake into an error for the waiters
+// instead of ending the host process.
+func (c *Client) runGuarded(ctx context.Context, host string, port int, engineID string, ranks []Rank) (res *Result, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			c.log.Error("side-channel handshake panicked", zap.Any("panic", p), zap.Stack("stack"))
+			res, err = nil, fmt.Errorf("sidechannel: internal error during handshake: %v", p)
+		}
+	}()
+	return c.run(ctx, host, port, engineID, ranks)
 }
 
 func (c *Client) run(ctx context.Context, host string, port int, engineID string, ranks []Rank) (*Result, error) {

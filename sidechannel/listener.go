@@ -175,6 +175,11 @@ func (l *Listener) accept() {
 func (l *Listener) serve(c net.Conn) {
 	defer l.wg.Done()
 	defer func() {
+		// A bug in the protocol code must cost one connection, never the
+		// host process (a panic on this goroutine would end vLLM).
+		if p := recover(); p != nil {
+			l.log.Error("side-channel connection handler panicked", zap.Any("panic", p), zap.Stack("stack"))
+		}
 		l.mu.Lock()
 		delete(l.conns, c)
 		l.mu.Unlock()

@@ -115,12 +115,13 @@ func parseCommand(body []byte) (string, map[string]string, error) {
 	if len(body) < 1 || int(body[0]) > len(body)-1 {
 		return "", nil, errors.New("malformed ZMTP command")
 	}
-	name := string(body[1 : 1+body[0]])
-	rest := body[1+body[0]:]
+	nl := int(body[0]) // int, not byte: 1+255 must not wrap to 0
+	name := string(body[1 : 1+nl])
+	rest := body[1+nl:]
 	props := map[string]string{}
 	if name == "ERROR" {
 		if len(rest) >= 1 && int(rest[0]) <= len(rest)-1 {
-			props["error"] = string(rest[1 : 1+rest[0]])
+			props["error"] = string(rest[1 : 1+int(rest[0])])
 		}
 		return name, props, nil
 	}
