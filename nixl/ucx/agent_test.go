@@ -5,6 +5,7 @@ package ucx
 import (
 	"bytes"
 	"errors"
+	"os"
 	"strings"
 	"syscall"
 	"testing"
@@ -452,5 +453,24 @@ func TestStatusMapping(t *testing.T) {
 		if got := statusOfInt(rc); got != want {
 			t.Errorf("rc %d → %v, want %v", rc, got, want)
 		}
+	}
+}
+
+// Loading UCX must leave the Go runtime's SIGSEGV handling in place: a nil
+// dereference is still a recoverable panic (UCX's own error handlers would
+// abort the process instead; see ucsSignalDefaults).
+func TestGoPanicRecoverableAfterUCX(t *testing.T) {
+	if v, set := os.LookupEnv("UCX_HANDLE_ERRORS"); set && v != "none" {
+		t.Skipf("UCX_HANDLE_ERRORS=%q set by the user: UCX's signal handlers are wanted", v)
+	}
+	newAgent(t, "A", nil, false)
+	var p *int
+	var got any
+	func() {
+		defer func() { got = recover() }()
+		_ = *p
+	}()
+	if got == nil {
+		t.Fatal("nil dereference did not panic")
 	}
 }

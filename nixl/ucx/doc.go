@@ -16,6 +16,12 @@
 // with CGO_ENABLED=0 or the tag gonixl_noucx, the package registers a stub
 // engine whose Available says so (stub.go).
 //
+// Before the first dlopen the engine sets UCX_HANDLE_ERRORS=none and an
+// empty UCX_ERROR_SIGNALS where the user left them unset: UCX's default
+// installs handlers for SIGSEGV, SIGBUS, SIGILL and SIGFPE that replace the
+// Go runtime's, so any Go nil dereference in the process would abort with a
+// UCX backtrace instead of panicking (and capi could not recover it).
+//
 // # Mapping onto UCP
 //
 //   - one ucp_context and one worker (features RMA and AM, plus WAKEUP when

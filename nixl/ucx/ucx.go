@@ -143,7 +143,21 @@ func sitePackages() []string {
 	return dirs
 }
 
+// ucsSignalDefaults keep UCX from installing its own handlers for SIGSEGV,
+// SIGBUS, SIGILL and SIGFPE (UCX_HANDLE_ERRORS=bt with UCX_ERROR_SIGNALS is
+// its default). Those handlers replace the Go runtime's, which turns a nil
+// dereference into a recoverable panic: with them a Go panic anywhere in
+// the process becomes a UCX backtrace and an abort. libucs reads these when
+// it is loaded, so they are set (only where the user left them unset)
+// before the first dlopen.
+var ucsSignalDefaults = [][2]string{{"UCX_HANDLE_ERRORS", "none"}, {"UCX_ERROR_SIGNALS", ""}}
+
 func (e *engine) load() {
+	for _, kv := range ucsSignalDefaults {
+		if _, set := os.LookupEnv(kv[0]); !set {
+			os.Setenv(kv[0], kv[1])
+		}
+	}
 	errBuf := (*C.char)(C.malloc(1024))
 	defer C.free(unsafe.Pointer(errBuf))
 	for _, p := range candidates() {
