@@ -57,7 +57,8 @@
 // libucx-cu12 wheel) reads with CMA zero-copy instead. data_path "cma"
 // (opt-in) moves same-host data with process_vm_readv/writev directly, one
 // syscall per 512 operations, outside the agent mutex, and uses UCX only
-// for the notification.
+// for the notification; Post then returns after the copy (Success, or
+// InProgress while the notification is in flight).
 //
 // # Configuration
 //
