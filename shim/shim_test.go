@@ -41,7 +41,7 @@ func testConfig(t *testing.T, role Role, kvRole, engineID string, port int, extr
 		"side_channel_host": "127.0.0.1", "side_channel_port": port,
 		"block_size":                tBlockSize,
 		"kv_connector_extra_config": extra,
-		"compat_factors":            map[string]any{"model": "tiny", "dtype": "torch.float32"},
+		"compat_factors":            map[string]any{"model": "tiny", "dtype": "torch.float32", "num_kv_heads": 2, "speculative_config": nil},
 	}
 	b, _ := json.Marshal(raw)
 	c, err := ParseConfig(b)

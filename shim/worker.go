@@ -189,7 +189,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	}
 	factors := map[string]any{}
 	for k, v := range w.cfg.CompatFactors {
-		factors[k] = v
+		factors[k] = plainJSON(v)
 	}
 	factors["attn_backend_name"] = init.AttnBackend
 	factors["nixl_connector_version"] = sidechannel.NIXLConnectorVersion
@@ -799,4 +799,30 @@ func (w *Worker) Close() error {
 		hs.Close()
 	}
 	return errors.Join(errs...)
+}
+
+// plainJSON turns json.Number (the config is decoded with UseNumber) into
+// int64 or float64, recursively, so values hash as Python's json does.
+func plainJSON(v any) any {
+	switch t := v.(type) {
+	case json.Number:
+		if i, err := t.Int64(); err == nil {
+			return i
+		}
+		f, _ := t.Float64()
+		return f
+	case map[string]any:
+		out := make(map[string]any, len(t))
+		for k, e := range t {
+			out[k] = plainJSON(e)
+		}
+		return out
+	case []any:
+		out := make([]any, len(t))
+		for i, e := range t {
+			out[i] = plainJSON(e)
+		}
+		return out
+	}
+	return v
 }

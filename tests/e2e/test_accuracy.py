@@ -1,0 +1,151 @@
+"""End-to-end accuracy of disaggregated prefill -> decode through gonixl.
+
+Started by run_accuracy_test.sh, which brings up a prefill vLLM, a decode
+vLLM (both with GoNixlConnector), gonixl-proxy in front of them, and an
+aggregated vLLM without a connector as the baseline. Asserts:
+
+- every response through the proxy equals the baseline's, token for token
+  (greedy), for prompts of 1 token, exactly one block, one block + 1, many
+  blocks, and random lengths, some sent concurrently;
+- the task accuracy through the proxy is at least the baseline's;
+- the decode instance computed only the last prompt token of each request
+  (vLLM's own prompt-token counters by source), so the KV came over the wire;
+- the decode's "KV Transfer metrics" log lines count the expected number of
+  successful transfers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import re
+import sys
+import time
+import urllib.request
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
+import model_task  # noqa: E402
+
+PROXY = os.environ.get("GONIXL_E2E_PROXY")
+BASELINE = os.environ.get("GONIXL_E2E_BASELINE")
+DECODE = os.environ.get("GONIXL_E2E_DECODE")
+PREFILL = os.environ.get("GONIXL_E2E_PREFILL")
+DECODE_LOG = os.environ.get("GONIXL_E2E_DECODE_LOG")
+MODEL = os.environ.get("GONIXL_E2E_MODEL")
+BLOCK = 32
+N_PROMPTS = int(os.environ.get("GONIXL_E2E_PROMPTS", "64"))
+SEED = 2026
+
+pytestmark = pytest.mark.skipif(
+    not (PROXY and BASELINE and DECODE and PREFILL),
+    reason="run through tests/e2e/run_accuracy_test.sh (it starts the servers)",
+)
+
+
+def post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def counter(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def complete(url: str, ex: model_task.Example) -> str:
+    body = {
+        "model": MODEL,
+        "prompt": ex.prompt,
+        "max_tokens": model_task.MAX_KEY_LEN + 2,
+        "temperature": 0,
+        "seed": 0,
+    }
+    out = post(url, body)
+    return out["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def examples() -> list[model_task.Example]:
+    lengths = model_task.eval_lengths(N_PROMPTS, SEED, block_size=BLOCK)
+    exs = model_task.examples(SEED, lengths)
+    assert any(len(e.prompt) == 1 for e in exs)
+    assert any(len(e.prompt) == BLOCK for e in exs)
+    assert any(len(e.prompt) == BLOCK + 1 for e in exs)
+    assert any(len(e.prompt) > 4 * BLOCK for e in exs)
+    return exs
+
+
+@pytest.fixture(scope="module")
+def runs(examples):
+    before = metrics(DECODE)
+    # Baseline first, sequentially; then through the proxy: a sequential
+    # part and a concurrent part.
+    base = [complete(BASELINE, e) for e in examples]
+    half = len(examples) // 2
+    disagg = [complete(PROXY, e) for e in examples[:half]]
+    with cf.ThreadPoolExecutor(max_workers=4) as pool:
+        disagg += list(pool.map(lambda e: complete(PROXY, e), examples[half:]))
+    after = metrics(DECODE)
+    return base, disagg, before, after
+
+
+def test_outputs_match_baseline(examples, runs):
+    base, disagg, _, _ = runs
+    mismatches = [(len(e.prompt), b, d) for e, b, d in zip(examples, base, disagg) if b != d]
+    assert not mismatches, f"{len(mismatches)} of {len(examples)} differ (prompt_len, baseline, disaggregated): {mismatches[:10]}"
+
+
+def test_accuracy_at_least_baseline(examples, runs):
+    base, disagg, _, _ = runs
+    b_ok, n = model_task.accuracy(list(zip(examples, base)))
+    d_ok, n2 = model_task.accuracy(list(zip(examples, disagg)))
+    assert n == n2 and n > 0
+    print(f"accuracy: baseline {b_ok}/{n}, disaggregated {d_ok}/{n2}")
+    assert d_ok >= b_ok
+
+
+def test_decode_loaded_kv_over_the_wire(examples, runs):
+    _, _, before, after = runs
+    name = "vllm:prompt_tokens_by_source"
+    computed = counter(after, name, source="local_compute") - counter(before, name, source="local_compute")
+    external = counter(after, name, source="external_kv_transfer") - counter(before, name, source="external_kv_transfer")
+    total = sum(len(e.prompt) for e in examples)
+    n = len(examples)
+    # Each request computes exactly its last prompt token on the decode.
+    assert computed == n, f"decode computed {computed} prompt tokens for {n} requests (external {external})"
+    assert external == total - n
+
+
+def test_kv_transfer_metrics_line(examples, runs):
+    # vLLM logs the aggregated stats every few seconds; wait for the lines
+    # that cover our requests (bounded).
+    want = sum(1 for e in examples if len(e.prompt) > 1)
+    pat = re.compile(r"KV Transfer metrics: Num successful transfers=(\d+)")
+    deadline = time.time() + 60
+    got = 0
+    while time.time() < deadline:
+        with open(DECODE_LOG, errors="replace") as f:
+            got = sum(int(m.group(1)) for m in pat.finditer(f.read()))
+        if got >= want:
+            break
+        time.sleep(2)
+    print(f"KV Transfer metrics: {got} successful transfers logged, {want} expected at least")
+    assert got >= want
+    with open(DECODE_LOG, errors="replace") as f:
+        log = f.read()
+    assert "NIXL transfer failure" not in log
