@@ -58,6 +58,7 @@ type Worker struct {
 	blockSize      int64
 	kvLayout       string
 	engineOverride nixl.Engine // tests: bypass Select
+	loggedLanes    bool
 
 	remotes     map[string]*remoteEngine
 	handshakes  map[string]*handshakeState
@@ -449,12 +450,32 @@ func (w *Worker) startHandshakeLocked(engineID, host string, port, remoteTP int,
 		go w.finishHandshake(engineID, host, port, nil, fmt.Errorf("remote engine has tp_size=%d, this engine %d: heterogeneous TP is not supported", remoteTP, w.cfg.TPSize))
 		return
 	}
-	f := w.hs.Start(host, port, engineID, sidechannel.Rank{PP: 0, TP: w.cfg.TPRank})
+	hs, rank := w.hs, sidechannel.Rank{PP: 0, TP: w.cfg.TPRank}
+	deadline := time.Now().Add(time.Duration(w.cfg.HandshakeTimeout * float64(time.Second)))
 	go func() {
-		<-f.Done()
-		res, err := f.Result()
-		w.finishHandshake(engineID, host, port, res, err)
+		// A busy or just-starting peer can miss one query's receive
+		// timeout; retry transient failures until handshake_timeout, never
+		// a compatibility or identity mismatch.
+		for attempt := 1; ; attempt++ {
+			f := hs.Start(host, port, engineID, rank)
+			<-f.Done()
+			res, err := f.Result()
+			if err == nil || !retryableHandshake(err) || time.Now().Add(250*time.Millisecond).After(deadline) {
+				w.finishHandshake(engineID, host, port, res, err)
+				return
+			}
+			w.log.Warn("handshake attempt failed; retrying", zap.String("remote_engine_id", engineID), zap.Int("attempt", attempt), zap.Error(err))
+			time.Sleep(250 * time.Millisecond)
+		}
 	}()
+}
+
+func retryableHandshake(err error) bool {
+	if errors.Is(err, sidechannel.ErrCompatMismatch) || errors.Is(err, sidechannel.ErrEngineMismatch) || errors.Is(err, sidechannel.ErrClosed) {
+		return false
+	}
+	var re *sidechannel.RemoteError
+	return !errors.As(err, &re)
 }
 
 // finishHandshake runs on the handshake goroutine: it loads the remote
@@ -477,6 +498,12 @@ func (w *Worker) finishHandshake(engineID, host string, port int, res *sidechann
 	} else {
 		w.log.Info("handshake done", zap.String("remote_engine_id", engineID), zap.String("remote_agent", re.agent),
 			zap.Float64("clock_offset", re.offset), zap.Duration("rtt", res.BestRTT))
+		if ei, ok := w.agent.(interface{ EndpointInfo() string }); ok && !w.loggedLanes {
+			// Which transports UCX picked: a misconfiguration (TCP where
+			// shared memory was expected) is visible here.
+			w.loggedLanes = true
+			w.log.Info("transport lanes of the first endpoint", zap.String("lanes", ei.EndpointInfo()))
+		}
 	}
 	if hsState == nil {
 		return

@@ -55,7 +55,9 @@ trap cleanup EXIT INT TERM
 COMMON=(--model "$MODEL" --enforce-eager --dtype float32 --block-size 32 --max-model-len 1024
         --max-num-seqs 16)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1
-export OMP_NUM_THREADS=1
+# Three engines share two cores: no core pinning and no OpenMP spin-waiting,
+# or the engines' background threads (gonixl's handshakes among them) starve.
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE VLLM_CPU_OMP_THREADS_BIND=nobind
 
 kv_config() {
   printf '{"kv_connector":"GoNixlConnector","kv_connector_module_path":"gonixl.vllm","kv_role":"%s","kv_connector_extra_config":{"transfer_engine":"%s"}}' \
