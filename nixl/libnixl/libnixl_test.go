@@ -2,6 +2,7 @@ package libnixl
 
 import (
 	"errors"
+	"flag"
 	"os"
 	"os/exec"
 	"strings"
@@ -58,6 +59,9 @@ func TestConformance(t *testing.T) {
 	found := false
 	for _, n := range LeakedAgents() {
 		found = found || strings.Contains(n, "death")
+	}
+	if f := flag.Lookup("test.run"); f != nil && f.Value.String() != "" {
+		return // a filtered run may have left the peer-death case out
 	}
 	if !t.Skipped() && !found {
 		t.Errorf("agent of the peer-death case was destroyed (leaked: %v)", LeakedAgents())

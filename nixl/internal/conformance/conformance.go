@@ -651,7 +651,18 @@ func runTwoProcess(t *testing.T, cfg Config) {
 			t.Fatal(err)
 		}
 		if err := waitLocalNotif(me.agent, tp.peer, back, cfg.Deadline, nil); err != nil {
-			t.Fatal(err)
+			// Tell a lost notification from a stuck connection: does a
+			// second one arrive?
+			again := append(bytes.Clone(back), "-again"...)
+			_, serr := tp.p.call(request{Op: "send_notif", Agent: me.agent.Name(), Msg: again}, cfg.Deadline)
+			var seen []nixl.Notif
+			deadline := time.Now().Add(cfg.Deadline)
+			for findNotif(seen, tp.peer, again) < 0 && time.Now().Before(deadline) {
+				ns, _ := me.agent.GetNotifs()
+				seen = append(seen, ns...)
+				time.Sleep(time.Millisecond)
+			}
+			t.Fatalf("%v; then a second notification (send: %v): received %s", err, serr, notifString(seen))
 		}
 	})
 
