@@ -121,7 +121,7 @@ def test_accuracy_at_least_baseline(examples, runs):
 
 def test_decode_loaded_kv_over_the_wire(examples, runs):
     _, _, before, after = runs
-    name = "vllm:prompt_tokens_by_source"
+    name = "vllm:prompt_tokens_by_source_total"
     computed = counter(after, name, source="local_compute") - counter(before, name, source="local_compute")
     external = counter(after, name, source="external_kv_transfer") - counter(before, name, source="external_kv_transfer")
     total = sum(len(e.prompt) for e in examples)
