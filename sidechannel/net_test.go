@@ -357,6 +357,21 @@ func TestListenerSurvivesBadInput(t *testing.T) {
 	if _, err := big.readMsg(); err == nil {
 		t.Error("oversized frame: connection stayed open")
 	}
+	// A READY whose command-name length byte is 255 (the fuzzer's first find).
+	hostile, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hostile.Close()
+	hostile.SetDeadline(time.Now().Add(10 * time.Second))
+	body := append([]byte{0xff}, make([]byte, 255)...)
+	hostile.Write(append(append(greeting(), frameHeader(len(body), flagCommand)...), body...))
+	buf := make([]byte, 4096)
+	for { // read until the listener closes the connection
+		if _, err := hostile.Read(buf); err != nil {
+			break
+		}
+	}
 	if _, err := newTestClient(t, ClientConfig{}).Handshake(ctxT(t), "127.0.0.1", port, "e", Rank{0, 0}); err != nil {
 		t.Errorf("listener stopped serving: %v", err)
 	}
