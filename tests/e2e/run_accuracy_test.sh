@@ -49,12 +49,12 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-# vLLM on a CPU host: offline, eager, a bounded KV cache (1 GiB each),
-# float32 (the bfloat16 AMX attention kernel is not used; see
+# vLLM on a CPU host: offline, eager, a bounded KV cache
+# 256 MiB), float32 (the bfloat16 AMX attention kernel is not used; see
 # docs/ENVIRONMENT.md), block size 32 (the CPU backend's minimum).
-COMMON=(--model "$MODEL" --enforce-eager --dtype float32 --block-size 32 --max-model-len 1024
+COMMON=(--model "$MODEL" --enforce-eager --dtype float32 --block-size 32 --max-model-len 1024 --kv-cache-memory-bytes 268435456
         --max-num-seqs 16)
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1
 # Three engines share two cores: no core pinning and no OpenMP spin-waiting,
 # or the engines' background threads (gonixl's handshakes among them) starve.
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE VLLM_CPU_OMP_THREADS_BIND=nobind

@@ -8,8 +8,9 @@ aggregated vLLM without a connector as the baseline. Asserts:
   (greedy), for prompts of 1 token, exactly one block, one block + 1, many
   blocks, and random lengths, some sent concurrently;
 - the task accuracy through the proxy is at least the baseline's;
-- the decode instance computed only the last prompt token of each request
-  (vLLM's own prompt-token counters by source), so the KV came over the wire;
+- the decode instance computed no prompt token itself except for 1-token
+  prompts (vLLM's own vllm:prompt_tokens_by_source counters), so the KV came
+  over the wire;
 - the decode's "KV Transfer metrics" log lines count the expected number of
   successful transfers.
 """
@@ -125,10 +126,15 @@ def test_decode_loaded_kv_over_the_wire(examples, runs):
     computed = counter(after, name, source="local_compute") - counter(before, name, source="local_compute")
     external = counter(after, name, source="external_kv_transfer") - counter(before, name, source="external_kv_transfer")
     total = sum(len(e.prompt) for e in examples)
-    n = len(examples)
-    # Each request computes exactly its last prompt token on the decode.
-    assert computed == n, f"decode computed {computed} prompt tokens for {n} requests (external {external})"
-    assert external == total - n
+    one_token = sum(1 for e in examples if len(e.prompt) == 1)
+    # vLLM counts a request whose whole prompt came from the connector as
+    # external (its last token is re-run for logits but not counted as
+    # computed). Only 1-token prompts have nothing to pull: the decode
+    # computes them itself.
+    print(f"decode prompt tokens: local_compute {computed:.0f}, external_kv_transfer {external:.0f}, total {total}")
+    assert computed + external == total, f"token accounting: computed {computed} + external {external} != {total}"
+    assert computed <= one_token, f"decode computed {computed} prompt tokens itself; only {one_token} 1-token prompts may be"
+    assert external >= total - one_token
 
 
 def test_kv_transfer_metrics_line(examples, runs):
