@@ -50,6 +50,15 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+# /health probe in Python, so the script needs no HTTP client from apt.
+healthy() {
+    "$PYTHON" -c 'import sys, urllib.request
+try:
+    sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=2).status == 200 else 1)
+except Exception:
+    sys.exit(1)' "http://127.0.0.1:$1/health"
+}
+
 free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 start() { # role http_port side_channel_port log
@@ -71,7 +80,7 @@ T0=$(date +%s)
 start kv_producer "$P_PORT" "$P_SIDE" "$WORK/prefill.log"
 start kv_consumer "$D_PORT" "$D_SIDE" "$WORK/decode.log"
 for port in "$P_PORT" "$D_PORT"; do
-    until curl -sf -m 2 "http://127.0.0.1:$port/health" >/dev/null 2>&1; do
+    until healthy "$port"; do
         for g in "${PGIDS[@]}"; do
             kill -0 "$g" 2>/dev/null || { echo "stock_nixl_pd: a server exited during startup" >&2; exit 1; }
         done

