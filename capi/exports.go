@@ -13,7 +13,8 @@ import (
 	"unsafe"
 
 	"github.com/gonixl/gonixl/nixl"
-	_ "github.com/gonixl/gonixl/nixl/ucx" // registers the "ucx" engine
+	_ "github.com/gonixl/gonixl/nixl/libnixl" // registers the "nixl" engine
+	_ "github.com/gonixl/gonixl/nixl/ucx"     // registers the "ucx" engine
 	"github.com/gonixl/gonixl/shim"
 )
 
