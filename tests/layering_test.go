@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"io"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
@@ -171,6 +172,11 @@ func TestLayering(t *testing.T) {
 					t.Errorf("package %s imports third-party %s (allowed: %v)", p.ImportPath, dep, r.external)
 				}
 			}
+		}
+	}
+	for _, p := range pkgs {
+		if _, err := os.Stat(filepath.Join(p.Dir, "doc.go")); err != nil {
+			t.Errorf("package %s has no doc.go (what it is for, what it may import, its concurrency contract)", p.ImportPath)
 		}
 	}
 	for _, must := range []string{"capi", "shim", "nixl"} {

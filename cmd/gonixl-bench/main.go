@@ -1,10 +1,3 @@
-// Command gonixl-bench runs gonixl's benchmarks. Each benchmark is a
-// subcommand registered from its own file:
-//
-//	gonixl-bench transfer   ...  transfer-engine throughput and latency
-//	gonixl-bench multiturn  ...  multi-turn serving client against a proxy
-//
-// Run "gonixl-bench <subcommand> -h" for a subcommand's flags.
 package main
 
 import (
