@@ -3,7 +3,7 @@ package main
 // gonixl-bench transfer: transfer-engine throughput and latency, and, in the
 // same run, the same transfers through NIXL's own Python API
 // (bench/nixl_python_bench.py) so that the ratio gonixl/NIXL-Python is
-// printed. See docs/BENCHMARKS-transfer.md.
+// printed. See docs/BENCHMARKS.md (transfer section).
 //
 // Two processes per side of the comparison: this process initiates, a
 // re-executed copy of it ("-role target") registers the remote region and

@@ -1,7 +1,7 @@
 package main
 
 // gonixl-bench ucxperf: the "ucx" engine against UCX's own ucx_perftest and
-// against single-core memcpy, in one run. See docs/BENCHMARKS-ucx.md.
+// against single-core memcpy, in one run. See docs/BENCHMARKS.md (UCX section).
 //
 // It runs the transfer benchmark (runTransfer) with -engine ucx, then, for
 // every block size, ucx_perftest ucp_get (READ) or ucp_put_bw (WRITE) with

@@ -57,7 +57,7 @@ func kvRequest(regions, nBlocks, blockLen int, local, remote []int) []op {
 }
 
 // TestCoalesceTypicalRequest documents the operation counts quoted in
-// docs/BENCHMARKS-ucx.md: 32 layers × K,V = 64 regions, a 1000-token prompt
+// docs/BENCHMARKS.md (UCX section): 32 layers × K,V = 64 regions, a 1000-token prompt
 // in 16-token blocks = 63 blocks.
 func TestCoalesceTypicalRequest(t *testing.T) {
 	const regions, nBlocks, blockLen, n = 64, 4096, 16 * 8 * 128 * 2, 63
