@@ -65,7 +65,8 @@ start() { # role http_port side_channel_port log
     local cfg
     cfg="{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"$1\",\"kv_buffer_device\":\"cpu\",\"kv_connector_extra_config\":$PD_EXTRA}"
     echo "stock_nixl_pd: $1 on 127.0.0.1:$2, side channel $3, --kv-transfer-config '$cfg'"
-    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+    # VLLM_RPC_BASE_PATH: vLLM's ZeroMQ ipc sockets go to the work dir (removed on exit), not /tmp.
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_RPC_BASE_PATH="$WORK" \
     VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$3" \
         setsid timeout -k 10 "$SERVER_LIFETIME" "$PYTHON" -m vllm.entrypoints.openai.api_server \
         --model "$MODEL" --served-model-name tiny --host 127.0.0.1 --port "$2" \

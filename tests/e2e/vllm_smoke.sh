@@ -77,7 +77,8 @@ echo "vllm_smoke: starting on 127.0.0.1:$PORT: ${CMD[*]}"
 
 T0=$(date +%s)
 # setsid: the server, its EngineCore and its worker share one new process group, killed as one.
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+# VLLM_RPC_BASE_PATH: vLLM's ZeroMQ ipc sockets go to the work dir (removed on exit), not /tmp.
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_RPC_BASE_PATH="$WORK" \
     setsid timeout -k 10 "$SERVER_LIFETIME" "${CMD[@]}" >"$LOG" 2>&1 &
 PGID=$!
 
