@@ -316,6 +316,7 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 func (w *Worker) readLocked(st *recvState) {
 	rm := &st.meta.Remote
 	if rm.EngineID == "" {
+		w.stats.RecordFailedTransfer()
 		w.failLocked(st, "transfer_setup_failed", "kv_transfer_params has no remote_engine_id", nil)
 		return
 	}
@@ -329,6 +330,7 @@ func (w *Worker) readLocked(st *recvState) {
 	notif := []byte(rm.RequestID + ":1")
 	local, remote, err := w.pairBlocks(st.meta, re)
 	if err != nil {
+		w.stats.RecordFailedTransfer()
 		w.failLocked(st, "transfer_setup_failed", err.Error(), nil)
 		return
 	}
