@@ -274,9 +274,11 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 		}
 		exp := s.clock() + ttl
 		s.reqsNeedSend[reqID] = exp
-		if isD {
-			expiry = &exp
-		}
+		// vLLM sends the expiry only for a decode's blocks (bidirectional
+		// mode); gonixl also sends the prefill's, so that a gonixl decode can
+		// refuse KV whose lease lapsed before the READ completed instead of
+		// using blocks the prefill may already have reused.
+		expiry = &exp
 		remoteNumTokens = numComputedTokens
 	} else {
 		blockIDs = BlockIDs{}

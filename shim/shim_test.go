@@ -228,7 +228,7 @@ func TestRequestFinishedParamsKeys(t *testing.T) {
 	}
 	if got["do_remote_prefill"] != true || got["do_remote_decode"] != false || got["remote_engine_id"] != "engine-p" ||
 		got["remote_request_id"] != "req-1" || got["remote_port"] != float64(p.port) || got["remote_num_tokens"] != float64(12) ||
-		got["remote_blocks_expiry_time"] != nil || got["transfer_mode"] != "pull" {
+		got["remote_blocks_expiry_time"] != float64(1030) || got["transfer_mode"] != "pull" {
 		t.Errorf("unexpected params %s", out)
 	}
 	if !bytes.Contains(out, []byte(`"remote_block_ids":[[3,4,5]]`)) {
@@ -560,4 +560,100 @@ func TestStepMetaGarbage(t *testing.T) {
 			t.Errorf("DecodeStepMeta(%x) accepted garbage", b)
 		}
 	}
+}
+
+// decodeLoad sends a prefill's params to the decode and runs one step.
+func decodeLoad(t *testing.T, d *side, reqID string, out []byte, local []int64) {
+	t.Helper()
+	dp := mustParams(t, string(out))
+	d.sched.OnNewRequest(reqID, dp)
+	if _, err := d.sched.UpdateStateAfterAlloc(reqID, dp, BlockIDs{local}, []int64{0}, int64(len(local))*tBlockSize); err != nil {
+		t.Fatal(err)
+	}
+	d.step(t)
+}
+
+func makeCalls(eng *nixltest.Engine) int {
+	n := 0
+	for _, a := range eng.Agents() {
+		n += a.CountCalls("MakeXfer")
+	}
+	return n
+}
+
+func TestDecodeRefusesLapsedLease(t *testing.T) {
+	clock := NewFakeClock(100)
+	eng := nixltest.NewEngine("t")
+	extra := map[string]any{"kv_lease_duration": 30}
+	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, extra)
+	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, extra)
+	out := prefill(t, p, "req-late", []int64{3}, 8)
+	clock.Advance(27) // 3 s of lease left: below the 5 s safety margin
+	before := makeCalls(eng)
+	decodeLoad(t, d, "req-dl", out, []int64{9})
+	f := d.waitFinished(t, "refusal", func(f Finished) bool { return contains(f.Recving, "req-dl") })
+	if !contains(f.Failed, "req-dl") {
+		t.Fatalf("lapsed lease not refused: %+v", f)
+	}
+	if makeCalls(eng) != before {
+		t.Fatal("a READ was built against a lapsed lease")
+	}
+	var st map[string][]float64
+	_ = json.Unmarshal(d.work.Stats(), &st)
+	if len(st["num_kv_expired_reqs"]) != 1 {
+		t.Errorf("stats %v", st)
+	}
+}
+
+func TestDecodeFailsReadCompletingAfterLease(t *testing.T) {
+	clock := NewFakeClock(100)
+	eng := nixltest.NewEngine("t")
+	eng.SetScript(nixltest.Script{Polls: 1000000}) // stays in flight until we let it finish
+	extra := map[string]any{"kv_lease_duration": 30, "transfer_timeout": 1000}
+	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, extra)
+	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, extra)
+	out := prefill(t, p, "req-slow", []int64{3}, 8)
+	decodeLoad(t, d, "req-ds", out, []int64{9})
+	// Wait for the READ to be posted (after the background handshake).
+	deadline := time.Now().Add(10 * time.Second)
+	for makeCalls(eng) == 0 && time.Now().Before(deadline) {
+		time.Sleep(2 * time.Millisecond)
+	}
+	clock.Advance(31) // the prefill's lease lapses while the READ is in flight
+	eng.Agent(d.work.agent.Name()).SetScript(nixltest.Script{Polls: 0})
+	f := d.waitFinished(t, "late completion", func(f Finished) bool { return contains(f.Recving, "req-ds") })
+	if !contains(f.Failed, "req-ds") {
+		t.Fatalf("a READ that completed after the lease was trusted: %+v", f)
+	}
+	if got := d.work.LoadErrors(); len(got) != 1 || got[0] != 9 {
+		t.Fatalf("load errors %v", got)
+	}
+}
+
+func TestHeartbeatsKeepLeaseForDecode(t *testing.T) {
+	clock := NewFakeClock(100)
+	eng := nixltest.NewEngine("t")
+	eng.SetScript(nixltest.Script{Polls: 1000000})
+	extra := map[string]any{"kv_lease_duration": 30, "transfer_timeout": 1000}
+	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, extra)
+	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, extra)
+	out := prefill(t, p, "req-hb", []int64{3}, 8)
+	decodeLoad(t, d, "req-dh", out, []int64{9})
+	deadline := time.Now().Add(10 * time.Second)
+	for makeCalls(eng) == 0 && time.Now().Before(deadline) {
+		time.Sleep(2 * time.Millisecond)
+	}
+	// Heartbeats every 5 s keep both sides' view of the lease alive well
+	// past the original 30 s.
+	for i := 0; i < 8; i++ {
+		clock.Advance(5)
+		d.step(t)
+		p.finished(t)
+	}
+	eng.Agent(d.work.agent.Name()).SetScript(nixltest.Script{Polls: 0})
+	f := d.waitFinished(t, "completion", func(f Finished) bool { return contains(f.Recving, "req-dh") })
+	if contains(f.Failed, "req-dh") {
+		t.Fatalf("heartbeat-extended lease treated as lapsed: %+v", f)
+	}
+	p.waitFinished(t, "prefill release", func(f Finished) bool { return contains(f.Sending, "req-hb") })
 }

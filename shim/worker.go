@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"sort"
 	"strconv"
@@ -68,6 +69,7 @@ type Worker struct {
 	toProcess   map[string]struct{}
 	toSend      map[string]float64 // lease deadline, this worker's clock
 	consumers   map[string]int
+	leaseFloor  map[string]float64 // remote request id -> lower bound of its remote lease, local clock (from heartbeats)
 	pendingFin  []byte
 	leaseExtend float64
 }
@@ -78,7 +80,8 @@ type remoteEngine struct {
 	list      nixl.DescList
 	numBlocks int64
 	regions   int
-	offset    float64 // remote clock - local clock
+	offset    float64       // remote clock - local clock
+	rtt       time.Duration // of the sample the offset came from: its error bound
 }
 
 type handshakeState struct {
@@ -92,6 +95,7 @@ type recvState struct {
 	waiting bool // for a handshake
 	failed  bool
 	report  bool // vLLM tracks it in _recving_metadata
+	remote  *remoteEngine
 }
 
 type inflight struct {
@@ -124,6 +128,7 @@ func NewWorker(cfg *Config, clock Clock) (*Worker, error) {
 		toProcess:  map[string]struct{}{},
 		toSend:     map[string]float64{},
 		consumers:  map[string]int{},
+		leaseFloor: map[string]float64{},
 		// vLLM: kv_lease_duration * 2 // 3
 		leaseExtend: float64(int(cfg.KVLeaseDuration) * 2 / 3),
 	}
@@ -327,6 +332,7 @@ func (w *Worker) readLocked(st *recvState) {
 		return
 	}
 	st.waiting = false
+	st.remote = re
 	notif := []byte(rm.RequestID + ":1")
 	local, remote, err := w.pairBlocks(st.meta, re)
 	if err != nil {
@@ -341,6 +347,12 @@ func (w *Worker) readLocked(st *recvState) {
 			w.stats.RecordFailedNotification()
 			w.logFailure("notification_failed", st, "P worker blocks will be freed after timeout. This may indicate network issues.", err)
 		}
+		return
+	}
+	if left := w.leaseLeft(st); left < leaseSafetyMargin {
+		// The remote's lease ends before a READ could safely complete.
+		w.stats.RecordKVExpired()
+		w.failLocked(st, "kv_lease_expired", fmt.Sprintf("the remote lease ends in %.1fs (< %.0fs safety margin); not reading blocks the prefill may reuse", left, leaseSafetyMargin), nil)
 		return
 	}
 	nr := int64(len(w.layout.Regions))
@@ -577,7 +589,7 @@ func (w *Worker) addRemoteLocked(engineID string, res *sidechannel.Result) (*rem
 			_ = w.agent.InvalidateRemote(old.agent)
 		}
 	}
-	re := &remoteEngine{id: engineID, agent: name, list: list, numBlocks: md.NumBlocks, regions: len(regs), offset: res.ClockOffset}
+	re := &remoteEngine{id: engineID, agent: name, list: list, numBlocks: md.NumBlocks, regions: len(regs), offset: res.ClockOffset, rtt: res.BestRTT}
 	w.remotes[engineID] = re
 	return re, nil
 }
@@ -610,8 +622,17 @@ func (w *Worker) sendHeartbeatsLocked(hbs map[string]*HeartbeatInfo) {
 			continue
 		}
 		msg := []byte("HB:" + strings.Join(info.ReqIDs, ","))
+		sent := w.clock()
 		if err := w.agent.SendNotif(re.agent, msg); err != nil {
 			w.log.Debug("heartbeat send failed", zap.String("remote_engine_id", eng), zap.Error(err))
+			continue
+		}
+		// The prefill extends each lease to at least (its receive time +
+		// 2/3 of its lease); its receive time is after our send time.
+		for _, id := range info.ReqIDs {
+			if floor := sent + w.leaseExtend; floor > w.leaseFloor[id] {
+				w.leaseFloor[id] = floor
+			}
 		}
 	}
 }
@@ -667,6 +688,13 @@ func (w *Worker) pollTransfersLocked() {
 				if rerr := f.x.Release(); rerr != nil {
 					w.logFailure("transfer_release_failed", st, "", rerr)
 				}
+				if left := w.leaseLeft(st); left <= 0 {
+					// Completed after the remote lease ended: the prefill may
+					// have freed and reused the blocks mid-read. No silent
+					// corruption: fail the load (kv_load_failure_policy).
+					w.stats.RecordKVExpired()
+					w.failLocked(st, "kv_lease_expired", fmt.Sprintf("READ completed %.1fs after the remote lease ended; the data may be stale", -left), nil)
+				}
 			case err == nil && status == nixl.InProgress:
 				if now >= f.deadline {
 					// Bounded wait: cancel. If the engine cannot cancel, the
@@ -699,6 +727,7 @@ func (w *Worker) pollTransfersLocked() {
 			continue
 		}
 		delete(w.recv, id)
+		delete(w.leaseFloor, st.meta.Remote.RequestID)
 		if !st.report {
 			continue // notify-only: vLLM does not wait for it
 		}
@@ -854,4 +883,25 @@ func plainJSON(v any) any {
 		return out
 	}
 	return v
+}
+
+// leaseSafetyMargin is how much of the remote lease must be left to start a
+// READ (vLLM's margin for its turn-2 reads).
+const leaseSafetyMargin = 5.0
+
+// leaseLeft is how long, on this worker's clock, the remote engine will
+// still hold the request's blocks: the expiry it sent (rebased by the
+// handshake's clock offset, less that sample's round trip as error bound),
+// raised by the heartbeats this worker sent. +Inf when the remote sent no
+// expiry (a stock vLLM prefill): nothing to check against.
+func (w *Worker) leaseLeft(st *recvState) float64 {
+	rm := st.meta.Remote
+	if rm.Expiry == nil || st.remote == nil {
+		return math.Inf(1)
+	}
+	deadline := *rm.Expiry - st.remote.offset - st.remote.rtt.Seconds()
+	if floor, ok := w.leaseFloor[rm.RequestID]; ok && floor > deadline {
+		deadline = floor
+	}
+	return deadline - w.clock()
 }
