@@ -266,3 +266,15 @@ func getInt(raw map[string]json.RawMessage, key string) (int64, bool, error) {
 	}
 	return i, true, nil
 }
+
+// MarshalJSON writes empty groups as [] (never null), as vLLM's lists are.
+func (b BlockIDs) MarshalJSON() ([]byte, error) {
+	out := make([][]int64, len(b))
+	for i, g := range b {
+		if g == nil {
+			g = []int64{}
+		}
+		out[i] = g
+	}
+	return json.Marshal(out)
+}

@@ -112,6 +112,14 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 		return 0, false
 	}
 	if p.DoRemotePrefill {
+		if !p.HasRemoteBlocks || !p.HasRemoteEndpoint() || p.RemoteEngineID == "" || p.RemoteHost == "" {
+			// Nothing can be pulled (a broken proxy, or a prefill that kept
+			// no blocks): compute locally rather than wait for KV that no
+			// one will send.
+			s.log.Warn("do_remote_prefill without usable remote_block_ids / remote endpoint: computing the prompt locally",
+				zap.Bool("remote_block_ids", p.HasRemoteBlocks), zap.Bool("endpoint", p.HasRemoteEndpoint()))
+			return 0, false
+		}
 		// No prefill back-off: gonixl serves attention-only models (no
 		// Mamba, no multi-token-prediction lookahead).
 		if count := numPromptTokens - numComputed; count > 0 {
@@ -280,8 +288,6 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 		// using blocks the prefill may already have reused.
 		expiry = &exp
 		remoteNumTokens = numComputedTokens
-	} else {
-		blockIDs = BlockIDs{}
 	}
 	if blockIDs == nil {
 		blockIDs = BlockIDs{}

@@ -657,3 +657,13 @@ func TestHeartbeatsKeepLeaseForDecode(t *testing.T) {
 	}
 	p.waitFinished(t, "prefill release", func(f Finished) bool { return contains(f.Sending, "req-hb") })
 }
+
+func TestBlockIDsJSONNeverNull(t *testing.T) {
+	b, err := json.Marshal(BlockIDs{nil, {1, 2}})
+	if err != nil || string(b) != `[[],[1,2]]` {
+		t.Fatalf("%s %v", b, err)
+	}
+	if b, _ := json.Marshal(BlockIDs(nil)); string(b) != `[]` {
+		t.Fatalf("nil: %s", b)
+	}
+}

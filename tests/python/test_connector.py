@@ -193,6 +193,22 @@ def finish_decode(d: h.Engine, dr: h.DecodeReq) -> None:
 # ----------------------------------------------------------------------
 
 
+def test_kv_cache_layout_is_the_connectors(pd, connector_cls):
+    """vLLM resolves the layout from the CPU backend's supported set and the
+    connector's preference (loaded through kv_connector_module_path)."""
+    p, d = pd
+    assert connector_cls.get_required_kvcache_layout(p.vllm_config) == "LBHNC"
+    for e in pd:
+        assert e.vllm_config.cache_config.kv_cache_layout == "LBHNC"
+        spec = h.attention_spec(e.vllm_config)
+        for t in e.kv_caches.values():
+            # [num_blocks, num_kv_heads, block_size, 2 * head_size], one block
+            # one contiguous page; all layers in one allocation.
+            assert tuple(t.shape) == (e.num_blocks, spec.num_kv_heads, h.BLOCK_SIZE, 2 * spec.head_size)
+            assert t.is_contiguous() and t.device.type == "cpu"
+        assert len({t.untyped_storage().data_ptr() for t in e.kv_caches.values()}) == 1
+
+
 def test_request_finished_returns_vllms_kv_transfer_params(pd):
     p, d = pd
     pre, dr, _ = transfer(p, d, "keys", 70)
@@ -207,7 +223,10 @@ def test_request_finished_returns_vllms_kv_transfer_params(pd):
     assert params["remote_port"] == p.port
     assert (params["tp_size"], params["dcp_size"], params["pp_size"]) == (1, 1, 1)
     assert params["remote_num_tokens"] == 70
-    assert params["remote_blocks_expiry_time"] is None  # only a decode node stamps it
+    # vLLM stamps only a decode's blocks; gonixl also sends the prefill's
+    # lease expiry (its scheduler clock) so a gonixl decode can refuse KV
+    # whose lease lapsed. A stock decode ignores it outside bidirectional mode.
+    assert isinstance(params["remote_blocks_expiry_time"], float) and params["remote_blocks_expiry_time"] > 0
     assert params["transfer_mode"] == "pull"
     json.dumps(params)  # travels in the HTTP response
     # The decode side took the params over: one transfer per request.
@@ -236,11 +255,6 @@ def test_request_finished_without_blocks_or_params(pd):
     assert params["remote_num_tokens"] == 0 and params["do_remote_prefill"] is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shim/scheduler.go RequestFinished: with no blocks it replaces the per-group list by [] "
-    "(blockIDs = BlockIDs{}); vLLM returns the groups as given, ([],) -> JSON [[]]",
-)
 def test_request_finished_without_blocks_keeps_the_group_shape(pd):
     p, _ = pd
     req = p.request("noblocks2-p", 10, dict(h.PROXY_PREFILL_PARAMS))
@@ -449,12 +463,47 @@ def test_load_error_remote_block_out_of_range(pd):
     finish_decode(d, dr)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shim/worker.go readLocked: a request that fails before its READ is posted (pairBlocks error, "
-    "missing remote_engine_id) is not counted in num_failed_transfers; vLLM's _handle_failed_transfer "
-    "counts every transfer_setup_failed",
-)
+@pytest.mark.parametrize("bad_ids", [[-1, 2], [0, 2**40], [[1]]], ids=["negative", "huge", "nested"])
+def test_bad_remote_block_ids_never_read(pd, bad_ids):
+    """Malformed remote block ids: the request is either computed locally
+    (no external tokens) or fails its load; the decode's KV is untouched and
+    the engine keeps serving."""
+    p, d = pd
+    pre = h.prefill(p, f"badids{len(d.out.recving)}-p", 64, seed=6)
+    bad = dict(pre.params)
+    bad["remote_block_ids"] = [bad_ids]
+    before = d.snapshot()
+    dr = h.schedule_decode(d, pre.req.request_id[:-2] + "-d", 64, bad)
+    if dr.load_async:
+        h.run_until([p, d], lambda: dr.req.request_id in d.out.recving, "the failed request in finished_recving")
+        assert dr.req.request_id in d.out.failed
+    else:
+        assert dr.n_ext == 0
+    assert_kv_unchanged(d, before)
+    finish_decode(d, dr)
+
+
+def test_load_error_remote_engine_id_mismatch(pd):
+    """The side channel answers for another engine id: the handshake is
+    refused (no retry), the request fails with its blocks as load errors."""
+    p, d = pd
+    pre = h.prefill(p, "wrongeng-p", 40, seed=8)
+    bad = dict(pre.params)
+    bad["remote_engine_id"] = "engine-impostor"
+    before = d.snapshot()
+    stats_before, inv_before = len(d.out.stats), len(d.out.invalid_blocks)
+    dr = h.schedule_decode(d, "wrongeng-d", 40, bad)
+    h.run_until([p, d], lambda: "wrongeng-d" in d.out.recving, "the failed request in finished_recving")
+    assert "wrongeng-d" in d.out.failed
+    assert set().union(*d.out.invalid_blocks[inv_before:]) == set(dr.new_blocks)
+    assert_kv_unchanged(d, before)
+    agg = NixlKVConnectorStats()
+    for st in d.out.stats[stats_before:]:
+        agg = agg.aggregate(st)
+    assert len(agg.data["num_failed_handshakes"]) == 1 and agg.num_successful_transfers == 0
+    finish_decode(d, dr)
+
+
 def test_setup_failure_is_counted_in_stats(pd):
     p, d = pd
     d.step()
@@ -517,21 +566,12 @@ def test_bad_kv_transfer_params_fail_only_that_request(pd):
     finish_decode(d, dr)
 
 
-_LEFT_WAITING = pytest.mark.xfail(
-    strict=True,
-    reason="shim/scheduler.go: GetNumNewMatchedTokens returns (prompt tokens, async) for any "
-    "do_remote_prefill request, but UpdateStateAfterAlloc then queues no read when remote_block_ids "
-    "is missing/empty (error) or an endpoint key is missing (warning): the request waits in "
-    "WAITING_FOR_REMOTE_KVS forever",
-)
-
-
 @pytest.mark.parametrize(
     "broken",
     [
-        pytest.param("no_remote_block_ids", marks=_LEFT_WAITING),
-        pytest.param("empty_remote_block_ids", marks=_LEFT_WAITING),
-        pytest.param("no_remote_host", marks=_LEFT_WAITING),
+        "no_remote_block_ids",
+        "empty_remote_block_ids",
+        "no_remote_host",
     ],
 )
 def test_decode_request_with_unusable_params_is_not_left_waiting(pd, broken):
