@@ -19,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import platform
+import sys
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -56,6 +58,47 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+# Linux x86_64: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+_SYS_ARCH_PRCTL = 158
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def _request_amx_tile_permission() -> None:
+    """Ask Linux for AMX tile-data permission for this (worker) process.
+
+    vLLM's CPU attention backend picks its AMX kernel for bfloat16 whenever
+    the CPU has AMX (cpu_attn.py checks CPUID only) and executes tile
+    instructions without asking the kernel for the permission Linux requires
+    (ARCH_REQ_XCOMP_PERM); it relies on oneDNN having asked during an earlier
+    GEMM big enough to select an AMX kernel. A decode worker whose first
+    forward step follows a KV transfer computes a single new token, no GEMM
+    asks, and the first tile instruction dies with SIGILL. The permission is
+    process-wide and idempotent. It is requested before this connector loads
+    libgonixl.so, so that in a worker process no Go or UCX thread exists yet
+    when the kernel checks every thread's signal stack against the larger
+    AMX signal frame (ENOSPC otherwise).
+    """
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or not torch.cpu._is_amx_tile_supported():
+            return
+    except (ImportError, AttributeError):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.syscall(
+        ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM), ctypes.c_long(_XFEATURE_XTILEDATA)
+    )
+    if rc != 0:
+        e = ctypes.get_errno()
+        logger.warning(
+            "arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) failed: %s; vLLM's bfloat16 AMX attention may die with SIGILL",
+            os.strerror(e),
+        )
 
 
 class GoNixlConnectorMetadata(KVConnectorMetadata):
@@ -196,6 +239,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _new("gonixl_scheduler_new", _config_json(vllm_config, "scheduler"))
         elif role == KVConnectorRole.WORKER:
+            _request_amx_tile_permission()
             self._worker = _new("gonixl_worker_new", _config_json(vllm_config, "worker"))
         else:
             raise ValueError(f"unsupported KVConnectorRole: {role}")
