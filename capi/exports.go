@@ -67,6 +67,30 @@ func worker(h C.gonixl_worker_t) (*shim.Worker, error) {
 	return obj.(*shim.Worker), nil
 }
 
+// onScheduler runs fn on the scheduler behind h, inside the panic guard.
+func onScheduler(h C.gonixl_scheduler_t, cerr *C.gonixl_error_t, fn func(*shim.Scheduler) error) C.gonixl_status_t {
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
+		return fn(s)
+	})
+}
+
+// onWorker runs fn on the worker behind h, inside the panic guard.
+func onWorker(h C.gonixl_worker_t, cerr *C.gonixl_error_t, fn func(*shim.Worker) error) C.gonixl_status_t {
+	return onWorker(h, cerr, func(w *shim.Worker) error {
+		return fn(w)
+	})
+}
+
+// request reads the (req_id, params_json) pair most scheduler calls take.
+func request(reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t) (string, *shim.TransferParams, error) {
+	id, err := readString(reqID, reqIDLen, "req_id")
+	if err != nil {
+		return "", nil, err
+	}
+	p, err := params(pj, pl)
+	return id, p, err
+}
+
 func params(p *C.char, n C.size_t) (*shim.TransferParams, error) {
 	b, err := readIn(p, n, "params_json")
 	if err != nil {
@@ -131,16 +155,8 @@ func gonixl_scheduler_new(cfgJSON *C.char, cfgLen C.size_t, out *C.gonixl_schedu
 
 //export gonixl_scheduler_on_new_request
 func gonixl_scheduler_on_new_request(h C.gonixl_scheduler_t, reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return guard(cerr, func() error {
-		s, err := scheduler(h)
-		if err != nil {
-			return err
-		}
-		id, err := readString(reqID, reqIDLen, "req_id")
-		if err != nil {
-			return err
-		}
-		p, err := params(pj, pl)
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
+		id, p, err := request(reqID, reqIDLen, pj, pl)
 		if err != nil {
 			return err
 		}
@@ -189,11 +205,7 @@ func gonixl_scheduler_update_state_after_alloc(h C.gonixl_scheduler_t, reqID *C.
 		if err != nil {
 			return err
 		}
-		id, err := readString(reqID, reqIDLen, "req_id")
-		if err != nil {
-			return err
-		}
-		p, err := params(pj, pl)
+		id, p, err := request(reqID, reqIDLen, pj, pl)
 		if err != nil {
 			return err
 		}
@@ -218,11 +230,7 @@ func gonixl_scheduler_update_state_after_alloc(h C.gonixl_scheduler_t, reqID *C.
 
 //export gonixl_scheduler_build_meta
 func gonixl_scheduler_build_meta(h C.gonixl_scheduler_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return guard(cerr, func() error {
-		s, err := scheduler(h)
-		if err != nil {
-			return err
-		}
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
 		return consume(pendingKey{uint64(h), "build_meta", ""}, buf, lenp, s.BuildMeta)
 	})
 }
@@ -239,11 +247,7 @@ func gonixl_scheduler_request_finished(h C.gonixl_scheduler_t, reqID *C.char, re
 		if err != nil {
 			return err
 		}
-		id, err := readString(reqID, reqIDLen, "req_id")
-		if err != nil {
-			return err
-		}
-		p, err := params(pj, pl)
+		id, p, err := request(reqID, reqIDLen, pj, pl)
 		if err != nil {
 			return err
 		}
@@ -279,11 +283,7 @@ func gonixl_scheduler_request_finished(h C.gonixl_scheduler_t, reqID *C.char, re
 
 //export gonixl_scheduler_update_connector_output
 func gonixl_scheduler_update_connector_output(h C.gonixl_scheduler_t, j *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return guard(cerr, func() error {
-		s, err := scheduler(h)
-		if err != nil {
-			return err
-		}
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
 		b, err := readIn(j, n, "finished_recving_json")
 		if err != nil {
 			return err
@@ -301,11 +301,7 @@ func gonixl_scheduler_update_connector_output(h C.gonixl_scheduler_t, j *C.char,
 
 //export gonixl_scheduler_set_handshake_payload
 func gonixl_scheduler_set_handshake_payload(h C.gonixl_scheduler_t, pp, tp C.int32_t, payload *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return guard(cerr, func() error {
-		s, err := scheduler(h)
-		if err != nil {
-			return err
-		}
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
 		if pp < 0 || tp < 0 {
 			return errorf(statusInvalidArg, "negative rank pp=%d tp=%d", pp, tp)
 		}
@@ -354,11 +350,7 @@ func gonixl_worker_new(cfgJSON *C.char, cfgLen C.size_t, out *C.gonixl_worker_t,
 
 //export gonixl_worker_register_kv_caches
 func gonixl_worker_register_kv_caches(h C.gonixl_worker_t, j *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return guard(cerr, func() error {
-		w, err := worker(h)
-		if err != nil {
-			return err
-		}
+	return onWorker(h, cerr, func(w *shim.Worker) error {
 		b, err := readIn(j, n, "init_json")
 		if err != nil {
 			return err
@@ -379,11 +371,7 @@ func gonixl_worker_register_kv_caches(h C.gonixl_worker_t, j *C.char, n C.size_t
 
 //export gonixl_worker_handshake_payload
 func gonixl_worker_handshake_payload(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return guard(cerr, func() error {
-		w, err := worker(h)
-		if err != nil {
-			return err
-		}
+	return onWorker(h, cerr, func(w *shim.Worker) error {
 		b, err := w.HandshakePayload()
 		if err != nil {
 			return errorf(statusState, "%v", err)
@@ -394,11 +382,7 @@ func gonixl_worker_handshake_payload(h C.gonixl_worker_t, buf *C.char, lenp *C.s
 
 //export gonixl_worker_start_load_kv
 func gonixl_worker_start_load_kv(h C.gonixl_worker_t, meta *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return guard(cerr, func() error {
-		w, err := worker(h)
-		if err != nil {
-			return err
-		}
+	return onWorker(h, cerr, func(w *shim.Worker) error {
 		b, err := readIn(meta, n, "meta")
 		if err != nil {
 			return err
@@ -412,22 +396,14 @@ func gonixl_worker_start_load_kv(h C.gonixl_worker_t, meta *C.char, n C.size_t, 
 
 //export gonixl_worker_get_finished
 func gonixl_worker_get_finished(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return guard(cerr, func() error {
-		w, err := worker(h)
-		if err != nil {
-			return err
-		}
+	return onWorker(h, cerr, func(w *shim.Worker) error {
 		return consume(pendingKey{uint64(h), "get_finished", ""}, buf, lenp, w.GetFinished)
 	})
 }
 
 //export gonixl_worker_load_errors
 func gonixl_worker_load_errors(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return guard(cerr, func() error {
-		w, err := worker(h)
-		if err != nil {
-			return err
-		}
+	return onWorker(h, cerr, func(w *shim.Worker) error {
 		return consume(pendingKey{uint64(h), "load_errors", ""}, buf, lenp, func() ([]byte, error) {
 			return json.Marshal(w.LoadErrors())
 		})
@@ -436,11 +412,7 @@ func gonixl_worker_load_errors(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t,
 
 //export gonixl_worker_stats
 func gonixl_worker_stats(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return guard(cerr, func() error {
-		w, err := worker(h)
-		if err != nil {
-			return err
-		}
+	return onWorker(h, cerr, func(w *shim.Worker) error {
 		return consume(pendingKey{uint64(h), "stats", ""}, buf, lenp, func() ([]byte, error) {
 			return w.Stats(), nil
 		})
@@ -449,11 +421,7 @@ func gonixl_worker_stats(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr 
 
 //export gonixl_worker_metrics
 func gonixl_worker_metrics(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return guard(cerr, func() error {
-		w, err := worker(h)
-		if err != nil {
-			return err
-		}
+	return onWorker(h, cerr, func(w *shim.Worker) error {
 		b, err := w.MetricsText()
 		if err != nil {
 			return err
