@@ -69,14 +69,22 @@ func worker(h C.gonixl_worker_t) (*shim.Worker, error) {
 
 // onScheduler runs fn on the scheduler behind h, inside the panic guard.
 func onScheduler(h C.gonixl_scheduler_t, cerr *C.gonixl_error_t, fn func(*shim.Scheduler) error) C.gonixl_status_t {
-	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
+	return guard(cerr, func() error {
+		s, err := scheduler(h)
+		if err != nil {
+			return err
+		}
 		return fn(s)
 	})
 }
 
 // onWorker runs fn on the worker behind h, inside the panic guard.
 func onWorker(h C.gonixl_worker_t, cerr *C.gonixl_error_t, fn func(*shim.Worker) error) C.gonixl_status_t {
-	return onWorker(h, cerr, func(w *shim.Worker) error {
+	return guard(cerr, func() error {
+		w, err := worker(h)
+		if err != nil {
+			return err
+		}
 		return fn(w)
 	})
 }

@@ -248,3 +248,41 @@ def test_abi_check_detects_mismatch(tmp_path, lib_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "abi_check.py"), lib_path, str(p)], capture_output=True, text=True)
     assert r.returncode == 1
     assert "gonixl_not_there" in r.stdout
+
+
+def _dummy_args(argtypes):
+    """Arguments of the right C types after the handle: empty buffers,
+    zero lengths and counts, valid out-pointers."""
+    args = []
+    for t in argtypes[1:-1]:  # skip the handle and the trailing error struct
+        if t is ctypes.c_char_p:
+            args.append(ctypes.create_string_buffer(64))
+        elif t is _lib.size_p:
+            args.append(ctypes.byref(ctypes.c_size_t(64)))
+        elif t is _lib.i64_p:
+            args.append((ctypes.c_int64 * 1)(0))
+        elif t is _lib.i32_p:
+            args.append(ctypes.byref(ctypes.c_int32(0)))
+        else:
+            args.append(0)
+    return args
+
+
+HANDLE_FUNCTIONS = [p for p in _lib.PROTOTYPES if p[2] and p[2][0] is _lib.handle_t]
+
+
+@pytest.mark.parametrize("name,restype,argtypes", HANDLE_FUNCTIONS, ids=[p[0] for p in HANDLE_FUNCTIONS])
+def test_every_handle_function_rejects_bad_handles(name, restype, argtypes):
+    """Every export that takes a handle answers a closed, a zero and a
+    wrong-kind handle with an error -- through its own code path."""
+    sched = new_handle("gonixl_scheduler_new", cfg())
+    work = new_handle("gonixl_worker_new", cfg(role="worker", kv_role="kv_consumer"))
+    _lib.call("gonixl_scheduler_close", sched)
+    _lib.call("gonixl_worker_close", work)
+    lib = _lib.lib()
+    wrong = work if "scheduler" in name else sched
+    for h, want in ((0, errors.ERR_INVALID_HANDLE), (sched if "scheduler" in name else work, errors.ERR_INVALID_HANDLE), (wrong, errors.ERR_WRONG_HANDLE)):
+        err = _lib.Error()
+        st = getattr(lib, name)(h, *_dummy_args(argtypes), ctypes.byref(err))
+        assert st == want, f"{name}({h:#x}) returned {st}: {err.message!r}"
+    assert gonixl.library_version()  # not poisoned
