@@ -362,7 +362,7 @@ func (c *Client) ioErr(ctx context.Context, what string, err error) error {
 	}
 	var ne net.Error
 	if errors.As(err, &ne) && ne.Timeout() {
-		return fmt.Errorf("%w: %s: no reply within %v", ErrTimeout, what, c.cfg.RecvTimeout)
+		return fmt.Errorf("%w: %s: no reply before the deadline (per query %v, whole handshake %v)", ErrTimeout, what, c.cfg.RecvTimeout, c.cfg.Timeout)
 	}
 	return fmt.Errorf("%s: %w", what, err)
 }

@@ -241,7 +241,8 @@ func TestNotReadyThenServed(t *testing.T) {
 
 func TestDeadlines(t *testing.T) {
 	l := startListener(t, ListenerConfig{}, "e")
-	_, err := newTestClient(t, ClientConfig{Timeout: 300 * time.Millisecond}).Handshake(ctxT(t), "127.0.0.1", l.Addr().Port, "e", Rank{0, 0})
+	// 2 s leaves room for at least one not-ready reply on a loaded machine.
+	_, err := newTestClient(t, ClientConfig{Timeout: 2 * time.Second}).Handshake(ctxT(t), "127.0.0.1", l.Addr().Port, "e", Rank{0, 0})
 	if !errors.Is(err, ErrTimeout) || !strings.Contains(err.Error(), "not-ready") {
 		t.Errorf("never-ready listener: %v", err)
 	}
