@@ -355,6 +355,16 @@ def run_until(engines: list[Engine], cond: Callable[[], bool], what: str, timeou
         time.sleep(0.01)
 
 
+def run_for(engines: list[Engine], seconds: float) -> None:
+    """Keep the engines stepping (every 10 ms) for a while: time passing with
+    the engines live, as between a request's arrival and its scheduling."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for e in engines:
+            e.step()
+        time.sleep(0.01)
+
+
 def run_steps(engines: list[Engine], n: int) -> None:
     for _ in range(n):
         for e in engines:
@@ -420,12 +430,18 @@ class DecodeReq:
     load_async: bool
 
 
-def schedule_decode(d: Engine, req_id: str, num_tokens: int, params: dict, local_hit_blocks: int = 0) -> DecodeReq:
+def schedule_decode(
+    d: Engine, req_id: str, num_tokens: int, params: dict, local_hit_blocks: int = 0, queued: Optional[Request] = None
+) -> DecodeReq:
     """The decode instance schedules a request carrying the prefill's
-    kv_transfer_params: on_new_request, get_num_new_matched_tokens with the
-    local prefix hit, allocate_slots, update_state_after_alloc."""
-    req = d.request(req_id, num_tokens, copy.deepcopy(params), max_tokens=4)
-    d.add_request(req)
+    kv_transfer_params: on_new_request (unless `queued`, a request added
+    earlier, is given), get_num_new_matched_tokens with the local prefix
+    hit, allocate_slots, update_state_after_alloc."""
+    if queued is not None:
+        req = queued
+    else:
+        req = d.request(req_id, num_tokens, copy.deepcopy(params), max_tokens=4)
+        d.add_request(req)
     hit = d.cached_blocks(d.alloc(local_hit_blocks), req_id.encode()) if local_hit_blocks else []
     num_computed = min(local_hit_blocks * BLOCK_SIZE, num_tokens)
     n_ext, load_async = d.sched.get_num_new_matched_tokens(req, num_computed)

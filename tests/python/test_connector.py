@@ -648,3 +648,102 @@ def test_shutdown_is_idempotent(connector_cls, dist_env):
     assert e.worker.get_kv_connector_stats() is None
     with pytest.raises(errors.InvalidHandleError):
         e.sched.build_connector_meta(h.SchedulerOutput.make_empty())
+
+
+# ----------------------------------------------------------------------
+# leases (the prefill holds finished requests' blocks for kv_lease_duration)
+# ----------------------------------------------------------------------
+
+
+def _sum_stats(stats) -> NixlKVConnectorStats:
+    agg = NixlKVConnectorStats()
+    for s in stats:
+        agg = agg.aggregate(s)
+    return agg
+
+
+@pytest.fixture
+def lease_engines(connector_cls, dist_env):
+    made: list[h.Engine] = []
+
+    def make(role: str, name: str, lease: float, blocks: int = 16) -> h.Engine:
+        e = h.Engine(connector_cls, role, name, blocks, extra={"transfer_engine": "ucx", "kv_lease_duration": lease})
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.shutdown()
+
+
+def test_unread_lease_expires_and_a_late_read_is_refused(pd, lease_engines):
+    """Nobody reads: the prefill frees the blocks when the lease ends and
+    counts an expired request; a decode that comes later does not read them
+    (it fails the load instead of copying blocks that may be reused)."""
+    _, d = pd
+    p = lease_engines("kv_producer", "engine-prefill-lease1", 1)
+    pre = h.prefill(p, "lease1-p", 64, seed=21)
+    assert pre.delay
+    h.run_until([p], lambda: "lease1-p" in p.out.sending, "the prefill's lease to expire")
+    assert "lease1-p" not in p.held
+    assert len(_sum_stats(p.out.stats).data["num_kv_expired_reqs"]) == 1
+    before = d.snapshot()
+    stats_before = len(d.out.stats)
+    dr = h.schedule_decode(d, "lease1-d", 64, pre.params)
+    h.run_until([p, d], lambda: "lease1-d" in d.out.recving, "the decode to give up on the expired request")
+    assert "lease1-d" in d.out.failed
+    assert_kv_unchanged(d, before)
+    assert _sum_stats(d.out.stats[stats_before:]).num_successful_transfers == 0
+    finish_decode(d, dr)
+
+
+def test_heartbeats_keep_a_waiting_requests_lease(lease_engines):
+    """The decode's request waits in its queue longer than the prefill's
+    lease: its heartbeats ("HB:<ids>", every kv_lease_duration // 6) keep the
+    blocks held, and the decode's abort, not the lease, frees them."""
+    p = lease_engines("kv_producer", "engine-prefill-hb", 3)
+    d = lease_engines("kv_consumer", "engine-decode-hb", 3)
+    pre = h.prefill(p, "hb-p", 40, seed=22)
+    req = d.request("hb-d", 40, dict(pre.params))
+    d.add_request(req)
+    h.run_for([p, d], 4.5)  # 1.5x the lease, with heartbeats going out
+    assert "hb-p" not in p.out.sending, "the lease expired although the decode kept sending heartbeats"
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert d.sched.request_finished(req, []) == (False, None)
+    h.run_until([p, d], lambda: "hb-p" in p.out.sending, "the prefill to free the blocks on the abort notification")
+    assert _sum_stats(p.out.stats).data["num_kv_expired_reqs"] == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="shim/worker.go sendHeartbeatsLocked raises leaseFloor to send time + this decode's lease "
+    "extension for every id in the heartbeat, even when the prefill's lease had already ended (the "
+    "prefill ignores heartbeats for ids it no longer holds) or the prefill's kv_lease_duration is "
+    "shorter; readLocked then trusts the floor and reads blocks the prefill has freed and reused",
+)
+def test_heartbeat_after_expiry_does_not_revive_the_lease(lease_engines):
+    """The prefill's lease ends while the decode's request is still queued;
+    the decode's heartbeats after that cannot revive it. Its later READ must
+    fail, or return the request's own KV -- never blocks the prefill has
+    since given to another request."""
+    p = lease_engines("kv_producer", "engine-prefill-stale", 1)
+    d = lease_engines("kv_consumer", "engine-decode-stale", 12)  # heartbeat every 2 s
+    pre = h.prefill(p, "stale-p", 64, seed=23)
+    original = {n: [p.block(n, b) for b in pre.block_ids] for n in h.layer_names(p.vllm_config)}
+    h.run_until([p], lambda: "stale-p" in p.out.sending, "the prefill's lease to expire")
+    # The freed blocks go to another request, which overwrites them.
+    for b in pre.block_ids:
+        p.fill_block(b, seed=99)
+    req_d = d.request("stale-d", 64, dict(pre.params))
+    d.add_request(req_d)  # queued: heartbeats start (the first one handshakes)
+    h.run_for([p, d], 5.0)  # two more heartbeat rounds
+    before = d.snapshot()
+    dr = h.schedule_decode(d, "stale-d", 64, pre.params, queued=req_d)
+    assert dr.load_async
+    h.run_until([p, d], lambda: "stale-d" in d.out.recving, "the decode's load to end")
+    if "stale-d" not in d.out.failed:
+        for n, blocks in original.items():
+            for want, b in zip(blocks, dr.new_blocks):
+                assert torch.equal(d.block(n, b), want), f"{n}: block {b} holds another request's KV (read after the lease)"
+    else:
+        assert_kv_unchanged(d, before)
