@@ -165,7 +165,7 @@ def main() -> int:
         with urllib.request.urlopen(f"http://127.0.0.1:{d_port}/metrics", timeout=30) as r:
             text = r.read().decode()
         for ln in text.splitlines():
-            if ln.startswith(("vllm:nixl_", 'vllm:prompt_tokens_by_source')) and not ln.startswith("#") and "_bucket" not in ln:
+            if ln.startswith(("vllm:nixl_", 'vllm:prompt_tokens_by_source')) and not ln.startswith("#") and "_bucket" not in ln and "_created" not in ln:
                 print(ln)
         return 0
     finally:
