@@ -747,3 +747,91 @@ def test_heartbeat_after_expiry_does_not_revive_the_lease(lease_engines):
                 assert torch.equal(d.block(n, b), want), f"{n}: block {b} holds another request's KV (read after the lease)"
     else:
         assert_kv_unchanged(d, before)
+
+
+# ----------------------------------------------------------------------
+# Prometheus
+# ----------------------------------------------------------------------
+
+
+def _families(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    # vLLM turns prometheus_client's *_created series off
+    # (disable_created_metrics); they are not part of the comparison.
+    return {f.name: f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
+
+
+def _sample_names(fam) -> set[str]:
+    return {s.name for s in fam.samples if not s.name.endswith("_created")}
+
+
+def _buckets(fam) -> list[float]:
+    return sorted({float(s.labels["le"]) for s in fam.samples if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"})
+
+
+def test_prometheus_metrics_match_vllms(pd):
+    """The stats of one transfer, fed to vLLM's Prometheus plumbing
+    (KVConnectorProm -> GoNixlConnector.build_prom_metrics), land in vLLM's
+    NIXL metrics; gonixl's own registry has the same metric names, types,
+    sample names and buckets."""
+    import functools
+
+    import prometheus_client as pc
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    p, d = pd
+    d.step()
+    stats_before = len(d.out.stats)
+    pre, dr, _ = transfer(p, d, "prom", 100)
+    wait_transfer_done(p, d, pre, dr)
+    agg = _sum_stats(d.out.stats[stats_before:])
+    assert agg.num_successful_transfers == 1
+
+    registry = pc.CollectorRegistry()
+
+    class Prom(KVConnectorProm):  # vLLM's, with a private registry
+        _gauge_cls = functools.partial(pc.Gauge, registry=registry)
+        _counter_cls = functools.partial(pc.Counter, registry=registry)
+        _histogram_cls = functools.partial(pc.Histogram, registry=registry)
+
+    prom = Prom(d.vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    assert prom.prom_metrics is not None
+    prom.observe(json.loads(json.dumps(agg.data)), 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:nixl_xfer_time_seconds_count", labels) == 1
+    assert registry.get_sample_value("vllm:nixl_bytes_transferred_sum", labels) == agg.data["bytes_transferred"][0]
+    assert registry.get_sample_value("vllm:nixl_num_failed_transfers_total", labels) == 0
+
+    want = _families(pc.generate_latest(registry).decode())
+    got = _families(d.worker.metrics_text())
+    nixl = {n: f for n, f in got.items() if n.startswith("vllm:nixl_")}
+    assert set(nixl) == set(want)
+    for name, fam in want.items():
+        assert nixl[name].type == fam.type, name
+        assert _sample_names(nixl[name]) == _sample_names(fam), name
+        if fam.type == "histogram":
+            assert _buckets(nixl[name]) == _buckets(fam), name
+    # gonixl's registry counted the same transfer (its counters are cumulative).
+    xfer_count = [s.value for s in nixl["vllm:nixl_xfer_time_seconds"].samples if s.name.endswith("_count")]
+    assert sum(xfer_count) >= 1
+    finish_decode(d, dr)
+
+
+def test_kv_both_still_works_with_a_deprecation_warning(connector_cls, dist_env, caplog, capfd):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        e = h.Engine(connector_cls, "kv_both", "engine-both", 8)
+    try:
+        err = capfd.readouterr().err
+        said = " ".join(r.getMessage() for r in caplog.records) + err
+        assert "deprecated" in said and "kv_both" in said, said[-2000:]
+        # A working engine: one step through both roles.
+        out = e.step()
+        assert out.is_empty()
+        # The scheduler-side instance (newer vLLM asks it too) has no stats.
+        assert e.sched.get_kv_connector_stats() is None
+        assert e.sched.get_finished_count() is None
+    finally:
+        e.shutdown()
