@@ -150,6 +150,19 @@ class Outputs:
     invalid_blocks: list[set[int]] = field(default_factory=list)  # per step, non-empty only
     stats: list[Any] = field(default_factory=list)  # NixlKVConnectorStats objects, per step
     steps: int = 0
+    # (step number, finished_recving, invalid_block_ids) of every step that
+    # reported either.
+    events: list[tuple[int, set[str], set[int]]] = field(default_factory=list)
+
+    def invalid_until_recv(self, req_id: str) -> set[int]:
+        """The load-error block ids reported up to and including the step
+        that reported req_id in finished_recving."""
+        out: set[int] = set()
+        for _, recving, invalid in self.events:
+            out |= invalid
+            if req_id in recving:
+                return out
+        raise AssertionError(f"{req_id} was never reported in finished_recving")
 
 
 class Engine:
@@ -322,6 +335,8 @@ class Engine:
         # Scheduler.update_from_output -> _update_from_kv_xfer_finished.
         self.sched.update_connector_output(out)
         self.out.steps += 1
+        if out.finished_recving or out.invalid_block_ids:
+            self.out.events.append((self.out.steps, set(out.finished_recving or ()), set(out.invalid_block_ids)))
         self.out.sending.extend(sorted(out.finished_sending or ()))
         self.out.recving.extend(sorted(out.finished_recving or ()))
         self.out.failed.extend(sorted(out.failed_recving or ()))

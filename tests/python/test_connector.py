@@ -446,18 +446,13 @@ def test_load_error_remote_block_out_of_range(pd):
     before = d.snapshot()
     dr = h.schedule_decode(d, "oor-d", 64, bad)
     assert dr.load_async
-    step_of = {}
-
-    def done():
-        if "oor-d" in d.out.recving and "recv" not in step_of:
-            step_of["recv"] = d.out.steps
-        return "recv" in step_of
-
     inv_before = len(d.out.invalid_blocks)
-    h.run_until([p, d], done, "the failed request in finished_recving")
+    h.run_until([p, d], lambda: "oor-d" in d.out.recving, "the failed request in finished_recving")
     assert "oor-d" in d.out.failed
     invalid = set().union(*d.out.invalid_blocks[inv_before:])
     assert invalid == set(dr.new_blocks)
+    # No later than the step that reports the request finished (vLLM's rule).
+    assert set(dr.new_blocks) <= d.out.invalid_until_recv("oor-d")
     assert_kv_unchanged(d, before)
     assert d.worker.get_block_ids_with_load_errors() == set()  # drained
     finish_decode(d, dr)
@@ -496,6 +491,7 @@ def test_load_error_remote_engine_id_mismatch(pd):
     h.run_until([p, d], lambda: "wrongeng-d" in d.out.recving, "the failed request in finished_recving")
     assert "wrongeng-d" in d.out.failed
     assert set().union(*d.out.invalid_blocks[inv_before:]) == set(dr.new_blocks)
+    assert set(dr.new_blocks) <= d.out.invalid_until_recv("wrongeng-d")
     assert_kv_unchanged(d, before)
     agg = NixlKVConnectorStats()
     for st in d.out.stats[stats_before:]:
@@ -541,6 +537,7 @@ def test_load_error_side_channel_unreachable(connector_cls, dist_env):
         h.run_until([d], lambda: "ghost-d" in d.out.recving, "the request whose handshake failed", timeout=20)
         assert "ghost-d" in d.out.failed
         assert set().union(*d.out.invalid_blocks) == set(dr.new_blocks)
+        assert set(dr.new_blocks) <= d.out.invalid_until_recv("ghost-d")
         assert_kv_unchanged(d, before)
         agg = NixlKVConnectorStats()
         for s in d.out.stats:
