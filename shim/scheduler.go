@@ -35,8 +35,9 @@ type Scheduler struct {
 }
 
 type hbTarget struct {
-	info HeartbeatInfo
-	ids  map[string]struct{}
+	info   HeartbeatInfo
+	ids    map[string]struct{}
+	expiry map[string]float64
 }
 
 // NewScheduler validates cfg and creates the scheduler side. clock may be
@@ -82,12 +83,16 @@ func (s *Scheduler) OnNewRequest(reqID string, p *TransferParams) {
 	t, ok := s.hbByEngine[p.RemoteEngineID]
 	if !ok {
 		t = &hbTarget{
-			info: HeartbeatInfo{Host: p.RemoteHost, Port: p.RemotePort, TPSize: p.TPSize, DCPSize: p.DCPSize, PPSize: p.PPSize},
-			ids:  map[string]struct{}{},
+			info:   HeartbeatInfo{Host: p.RemoteHost, Port: p.RemotePort, TPSize: p.TPSize, DCPSize: p.DCPSize, PPSize: p.PPSize},
+			ids:    map[string]struct{}{},
+			expiry: map[string]float64{},
 		}
 		s.hbByEngine[p.RemoteEngineID] = t
 	}
 	t.ids[p.RemoteRequestID] = struct{}{}
+	if p.RemoteExpiry != nil {
+		t.expiry[p.RemoteRequestID] = *p.RemoteExpiry
+	}
 	s.hbReqEngine[reqID] = [2]string{p.RemoteEngineID, p.RemoteRequestID}
 }
 
@@ -99,6 +104,7 @@ func (s *Scheduler) stopHeartbeatLocked(reqID string) {
 	delete(s.hbReqEngine, reqID)
 	if t, ok := s.hbByEngine[key[0]]; ok {
 		delete(t.ids, key[1])
+		delete(t.expiry, key[1])
 		if len(t.ids) == 0 {
 			delete(s.hbByEngine, key[0])
 		}
@@ -223,6 +229,12 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 		for eng, t := range s.hbByEngine {
 			info := t.info
 			info.ReqIDs = sortedKeys(t.ids)
+			if len(t.expiry) > 0 {
+				info.Expiry = make(map[string]float64, len(t.expiry))
+				for id, e := range t.expiry {
+					info.Expiry[id] = e
+				}
+			}
 			m.Heartbeats[eng] = &info
 		}
 	}

@@ -667,3 +667,35 @@ func TestBlockIDsJSONNeverNull(t *testing.T) {
 		t.Fatalf("nil: %s", b)
 	}
 }
+
+func TestHeartbeatAfterExpiryDoesNotReviveLease(t *testing.T) {
+	clock := NewFakeClock(100)
+	eng := nixltest.NewEngine("t")
+	extra := map[string]any{"kv_lease_duration": 30}
+	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, extra)
+	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, extra)
+	out := prefill(t, p, "req-gone", []int64{3}, 8)
+	clock.Advance(31)
+	p.waitFinished(t, "prefill lease expiry", func(f Finished) bool { return contains(f.Sending, "req-gone") })
+	dp := mustParams(t, string(out))
+	d.sched.OnNewRequest("req-dg", dp)
+	// Heartbeats sent after the lease ended (the first one handshakes).
+	deadline := time.Now().Add(10 * time.Second)
+	for len(d.work.remotes) == 0 && time.Now().Before(deadline) {
+		d.step(t)
+		time.Sleep(2 * time.Millisecond)
+	}
+	for i := 0; i < 3; i++ {
+		clock.Advance(5)
+		d.step(t)
+	}
+	before := makeCalls(eng)
+	if _, err := d.sched.UpdateStateAfterAlloc("req-dg", dp, BlockIDs{{9}}, []int64{0}, 8); err != nil {
+		t.Fatal(err)
+	}
+	d.step(t)
+	f := d.waitFinished(t, "refusal", func(f Finished) bool { return contains(f.Recving, "req-dg") })
+	if !contains(f.Failed, "req-dg") || makeCalls(eng) != before {
+		t.Fatalf("a heartbeat revived an ended lease: %+v", f)
+	}
+}

@@ -32,12 +32,15 @@ type RecvReq struct {
 // HeartbeatInfo is what a decode worker needs to keep one prefill engine's
 // leases alive.
 type HeartbeatInfo struct {
-	ReqIDs  []string `msgpack:"req_ids"` // remote (prefill) request ids
-	Host    string   `msgpack:"host"`
-	Port    int      `msgpack:"port"`
-	TPSize  int      `msgpack:"tp_size"`
-	DCPSize int      `msgpack:"dcp_size"`
-	PPSize  int      `msgpack:"pp_size"`
+	ReqIDs []string `msgpack:"req_ids"` // remote (prefill) request ids
+	// Expiry holds, for the ids whose prefill sent one, the lease expiry
+	// from kv_transfer_params (remote clock).
+	Expiry  map[string]float64 `msgpack:"expiry,omitempty"`
+	Host    string             `msgpack:"host"`
+	Port    int                `msgpack:"port"`
+	TPSize  int                `msgpack:"tp_size"`
+	DCPSize int                `msgpack:"dcp_size"`
+	PPSize  int                `msgpack:"pp_size"`
 }
 
 // StepMeta is the per-step scheduler → worker metadata (vLLM's

@@ -627,11 +627,27 @@ func (w *Worker) sendHeartbeatsLocked(hbs map[string]*HeartbeatInfo) {
 			w.log.Debug("heartbeat send failed", zap.String("remote_engine_id", eng), zap.Error(err))
 			continue
 		}
-		// The prefill extends each lease to at least (its receive time +
-		// 2/3 of its lease); its receive time is after our send time.
+		// The prefill extends a lease it still holds to at least (its
+		// receive time + 2/3 of its lease); its receive time is after our
+		// send time. A heartbeat counts only if the lease was surely alive
+		// when it arrived: sent with more than the safety margin left of
+		// what we know (the expiry it sent, or an earlier heartbeat). A
+		// lease that already ended is never revived, and without a known
+		// expiry there is nothing to extend. Both sides are assumed to use
+		// the same kv_lease_duration, as heartbeats themselves do.
 		for _, id := range info.ReqIDs {
-			if floor := sent + w.leaseExtend; floor > w.leaseFloor[id] {
-				w.leaseFloor[id] = floor
+			exp, ok := info.Expiry[id]
+			if !ok {
+				continue
+			}
+			bound := exp - re.offset - re.rtt.Seconds()
+			if f, ok := w.leaseFloor[id]; ok && f > bound {
+				bound = f
+			}
+			if sent+leaseSafetyMargin < bound {
+				if floor := sent + w.leaseExtend; floor > w.leaseFloor[id] {
+					w.leaseFloor[id] = floor
+				}
 			}
 		}
 	}
