@@ -5,8 +5,10 @@ package ucx
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -52,8 +54,47 @@ func newAgent(t testing.TB, name string, params map[string]string, progress bool
 	if err != nil {
 		t.Fatalf("NewAgent(%s): %v", name, err)
 	}
-	t.Cleanup(func() { a.Close() })
+	t.Cleanup(func() {
+		a.Close()
+		notifStash.Lock()
+		delete(notifStash.m, a)
+		notifStash.Unlock()
+	})
 	return a
+}
+
+// notifStash keeps the notifications that drain took. GetNotifs both
+// progresses an agent and takes its queue, so a helper that calls it only
+// to progress a target (wait) would otherwise throw away the notification
+// that waitNotif is about to wait for: with data_path "cma" the transfer's
+// only UCX traffic is that notification, and when its send is queued
+// (Post returns InProgress) it can arrive during wait's loop.
+var notifStash = struct {
+	sync.Mutex
+	m map[nixl.Agent][]nixl.Notif
+}{m: map[nixl.Agent][]nixl.Notif{}}
+
+// drain progresses a through GetNotifs and keeps what it returns.
+func drain(a nixl.Agent) error {
+	ns, err := a.GetNotifs()
+	if len(ns) > 0 {
+		notifStash.Lock()
+		notifStash.m[a] = append(notifStash.m[a], ns...)
+		notifStash.Unlock()
+	}
+	return err
+}
+
+// takeNotif removes and returns the oldest notification kept for a.
+func takeNotif(a nixl.Agent) (nixl.Notif, bool) {
+	notifStash.Lock()
+	defer notifStash.Unlock()
+	q := notifStash.m[a]
+	if len(q) == 0 {
+		return nixl.Notif{}, false
+	}
+	notifStash.m[a] = q[1:]
+	return q[0], true
 }
 
 // pair builds two agents that know each other, each with one registered
@@ -102,7 +143,7 @@ func wait(t testing.TB, x nixl.Xfer, other nixl.Agent, d time.Duration) (nixl.St
 			return st, err
 		}
 		if other != nil {
-			other.GetNotifs() // progresses the target (tcp emulates RMA over AM)
+			drain(other) // the target serves emulated RMA (tcp, shm on UCX 1.13)
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("transfer still in progress after %v", d)
@@ -114,15 +155,14 @@ func waitNotif(t testing.TB, a nixl.Agent, other nixl.Agent, d time.Duration) ni
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for time.Now().Before(deadline) {
-		ns, err := a.GetNotifs()
-		if err != nil {
+		if err := drain(a); err != nil {
 			t.Fatal(err)
 		}
-		if len(ns) > 0 {
-			return ns[0]
+		if n, ok := takeNotif(a); ok {
+			return n
 		}
 		if other != nil {
-			other.GetNotifs()
+			drain(other)
 		}
 		time.Sleep(time.Millisecond)
 	}
@@ -231,6 +271,64 @@ func TestReadWriteNotif(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// Every transfer's notification reaches the target exactly once and in
+// order, also when the target is progressed (through GetNotifs) while the
+// initiator waits for completion, and none is dropped as malformed.
+func TestNotifEachTransferOnce(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		params map[string]string
+		prog   bool
+	}{
+		{"none", map[string]string{ParamErrMode: "none"}, false},
+		{"cma", map[string]string{ParamErrMode: "none", ParamDataPath: "cma"}, false},
+		{"cma/progress-thread", map[string]string{ParamErrMode: "none", ParamDataPath: "cma"}, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			const blk, n = 4096, 40
+			p := newPair(t, blk, c.params, c.prog)
+			local, err := p.a.PrepDescList("", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufA), Len: blk}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			remote, err := p.a.PrepDescList("B", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufB), Len: blk}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i := 0; i < n; i++ {
+				x, err := p.a.MakeXfer(nixl.Read, local, []int32{0}, remote, []int32{0}, []byte(fmt.Sprintf("req-%d:1", i)))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if st, err := x.Post(); err != nil {
+					t.Fatalf("Post %d: %v %v", i, st, err)
+				}
+				if st, err := wait(t, x, p.b, 10*time.Second); st != nixl.Success {
+					t.Fatalf("READ %d: %v %v", i, st, err)
+				}
+				if err := x.Release(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for i := 0; i < n; i++ {
+				want := fmt.Sprintf("req-%d:1", i)
+				if got := waitNotif(t, p.b, p.a, 10*time.Second); got.Agent != "A" || string(got.Msg) != want {
+					t.Fatalf("notification %d = %s %q, want A %q", i, got.Agent, got.Msg, want)
+				}
+			}
+			if err := drain(p.b); err != nil {
+				t.Fatal(err)
+			}
+			if extra, ok := takeNotif(p.b); ok {
+				t.Errorf("notification beyond the %d sent: %s %q", n, extra.Agent, extra.Msg)
+			}
+			if d := p.b.(*agent).DroppedNotifs(); d != 0 {
+				t.Errorf("target dropped %d notifications as malformed", d)
+			}
+		})
 	}
 }
 
