@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -34,11 +35,20 @@ STARTUP_DEADLINE = float(os.environ.get("GONIXL_DEMO_TIMEOUT", "600"))
 
 
 def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+    """A free port below the kernel's ephemeral range, so that none of the
+    sockets vLLM binds to OS-chosen ports can take it before our servers do."""
+    lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(200):
+        port = random.randrange(20000, max(20001, min(lo, 32768)))
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            s.close()
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def section(title: str) -> None:

@@ -24,7 +24,28 @@ rm -f "$LOGS"/*.log
 [ -x "$PROXY_BIN" ] || { echo "run_accuracy_test: $PROXY_BIN missing: run ./build.sh build" >&2; exit 1; }
 [ -f "$MODEL/config.json" ] || { echo "run_accuracy_test: model fixture $MODEL missing" >&2; exit 1; }
 
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+# Ports come from below the kernel's ephemeral range: vLLM binds many
+# internal sockets to OS-chosen ports, which could otherwise take a port
+# between our probe and the server's bind.
+free_port() {
+  "$PY" - <<'PYEOF'
+import random, socket
+lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(200):
+    port = random.randrange(20000, max(20001, min(lo, 32768)))
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        continue
+    finally:
+        s.close()
+    print(port)
+    break
+else:
+    raise SystemExit("no free port below the ephemeral range")
+PYEOF
+}
 P_PORT=$(free_port); D_PORT=$(free_port); A_PORT=$(free_port); X_PORT=$(free_port)
 P_SIDE=$(free_port); D_SIDE=$(free_port)
 

