@@ -38,7 +38,12 @@
 //     (READ) or ucp_put_nbx (WRITE) and an endpoint flush in one cgo call;
 //   - the notification, an active message (id 0, eager) carrying
 //     [u16 name length][sender name][message], is sent only once data and
-//     flush are complete.
+//     flush are complete. Its request's completion status decides the
+//     transfer's (Check reports a failed send); SendNotif sends the same
+//     message without a transfer and returns only errors UCX reports at
+//     once: a send UCX queues leaves with the next progress (progress
+//     thread, Check or GetNotifs) and a later failure of it is not
+//     reported.
 //
 // Metadata is this package's own versioned, checksummed format (see
 // metadata.go); it is not NIXL's, so both sides must run this engine. It
@@ -95,6 +100,10 @@
 // poll(2) on the worker's event fd between rounds. No UCX callback calls into
 // Go: the active-message handler copies into a C-side queue under a pthread
 // mutex, and the endpoint error handler sets a flag; Go reads both later.
+// GetNotifs both progresses and takes that queue: a caller that calls it
+// only to progress a target must keep what it returns, or it discards the
+// notifications another caller waits for (this package's tests did, and
+// lost about one notification in 20 with data_path "cma").
 //
 // # Teardown
 //
