@@ -867,3 +867,52 @@ def test_other_transfer_engines(connector_cls, dist_env, engine):
     finally:
         for e in engines:
             e.shutdown()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="shim/worker.go readLocked reuses the cached remote agent for a known remote_engine_id even when "
+    "the request names another side-channel address (the restarted prefill's port); it re-handshakes only "
+    "after nixl.ErrRemoteDiscon (dropRemoteOnDisconnect), so every READ goes to the dead agent and ends in "
+    "transfer_timeout, and the decode never recovers",
+)
+def test_prefill_restart_with_the_same_engine_id(connector_cls, dist_env):
+    """The prefill instance restarts (same engine_id, new agent, new side
+    channel port) after the decode has handshaken with it. The decode must
+    not read through the dead agent's metadata: each request either fails
+    cleanly or gets the right bytes, and requests succeed again (a new
+    handshake) without restarting the decode."""
+    engines = []
+    try:
+        p1 = h.Engine(connector_cls, "kv_producer", "engine-prefill-restart", 12)
+        engines.append(p1)
+        # A READ to the dead agent may never complete: transfer_timeout bounds it.
+        d = h.Engine(
+            connector_cls, "kv_consumer", "engine-decode-restart", 20, extra={"transfer_engine": "ucx", "transfer_timeout": 1.5}
+        )
+        engines.append(d)
+        pre, dr, before = transfer(p1, d, "restart0", 40)
+        wait_transfer_done(p1, d, pre, dr)
+        assert_blocks_copied(p1, d, pre.block_ids, dr.new_blocks, before)
+        finish_decode(d, dr)
+        p1.shutdown()
+        engines.remove(p1)
+        p2 = h.Engine(connector_cls, "kv_producer", "engine-prefill-restart", 12)
+        engines.append(p2)
+        p2.fill_all(-9.0)
+        ok = False
+        for i in range(1, 3):
+            pre, dr, before = transfer(p2, d, f"restart{i}", 40)
+            h.run_until([p2, d], lambda: dr.req.request_id in d.out.recving, f"request {i} after the restart")
+            if dr.req.request_id in d.out.failed:
+                assert_kv_unchanged(d, before)
+            else:
+                assert_blocks_copied(p2, d, pre.block_ids, dr.new_blocks, before)
+                ok = True
+            finish_decode(d, dr)
+            if ok:
+                break
+        assert ok, "no transfer from the restarted prefill succeeded in 2 requests"
+    finally:
+        for e in engines:
+            e.shutdown()
