@@ -352,7 +352,8 @@ func (w *Worker) readLocked(st *recvState) {
 	if left := w.leaseLeft(st); left < leaseSafetyMargin {
 		// The remote's lease ends before a READ could safely complete.
 		w.stats.RecordKVExpired()
-		w.failLocked(st, "kv_lease_expired", fmt.Sprintf("the remote lease ends in %.1fs (< %.0fs safety margin); not reading blocks the prefill may reuse", left, leaseSafetyMargin), nil)
+		w.failLocked(st, "kv_lease_expired", fmt.Sprintf("the remote lease ends in %.1fs (< %.0fs safety margin; %s); not reading blocks the prefill may reuse",
+			left, leaseSafetyMargin, w.leaseDetail(st)), nil)
 		return
 	}
 	nr := int64(len(w.layout.Regions))
@@ -709,7 +710,7 @@ func (w *Worker) pollTransfersLocked() {
 					// have freed and reused the blocks mid-read. No silent
 					// corruption: fail the load (kv_load_failure_policy).
 					w.stats.RecordKVExpired()
-					w.failLocked(st, "kv_lease_expired", fmt.Sprintf("READ completed %.1fs after the remote lease ended; the data may be stale", -left), nil)
+					w.failLocked(st, "kv_lease_expired", fmt.Sprintf("READ completed %.1fs after the remote lease ended (%s); the data may be stale", -left, w.leaseDetail(st)), nil)
 				}
 			case err == nil && status == nixl.InProgress:
 				if now >= f.deadline {
@@ -920,4 +921,15 @@ func (w *Worker) leaseLeft(st *recvState) float64 {
 		deadline = floor
 	}
 	return deadline - w.clock()
+}
+
+// leaseDetail explains a lease decision for the failure log.
+func (w *Worker) leaseDetail(st *recvState) string {
+	rm := st.meta.Remote
+	if rm.Expiry == nil || st.remote == nil {
+		return "no expiry"
+	}
+	floor, hasFloor := w.leaseFloor[rm.RequestID]
+	return fmt.Sprintf("remote expiry %.3f, clock offset %.3f, rtt %v, heartbeat floor %.3f (%v), now %.3f",
+		*rm.Expiry, st.remote.offset, st.remote.rtt, floor, hasFloor, w.clock())
 }
