@@ -82,6 +82,8 @@ type remoteEngine struct {
 	regions   int
 	offset    float64       // remote clock - local clock
 	rtt       time.Duration // of the sample the offset came from: its error bound
+	host      string        // side-channel address it was handshaken at
+	port      int
 }
 
 type handshakeState struct {
@@ -326,6 +328,14 @@ func (w *Worker) readLocked(st *recvState) {
 		return
 	}
 	re, ok := w.remotes[rm.EngineID]
+	if ok && (re.host != rm.Host || re.port != rm.Port) {
+		// The engine answers at another address now: a restarted prefill
+		// that kept its engine_id. Its old agent is gone; handshake again.
+		w.log.Info("remote engine moved; handshaking again", zap.String("remote_engine_id", re.id),
+			zap.String("old", fmt.Sprintf("%s:%d", re.host, re.port)), zap.String("new", fmt.Sprintf("%s:%d", rm.Host, rm.Port)))
+		w.dropRemoteLocked(re)
+		ok = false
+	}
 	if !ok {
 		st.waiting = true
 		w.startHandshakeLocked(rm.EngineID, rm.Host, rm.Port, st.meta.TPSize, st.id)
@@ -505,7 +515,7 @@ func (w *Worker) finishHandshake(engineID, host string, port int, res *sidechann
 	}
 	var re *remoteEngine
 	if err == nil {
-		re, err = w.addRemoteLocked(engineID, res)
+		re, err = w.addRemoteLocked(engineID, host, port, res)
 	}
 	if err != nil {
 		w.stats.RecordFailedHandshake()
@@ -537,7 +547,7 @@ func (w *Worker) finishHandshake(engineID, host string, port int, res *sidechann
 	}
 }
 
-func (w *Worker) addRemoteLocked(engineID string, res *sidechannel.Result) (*remoteEngine, error) {
+func (w *Worker) addRemoteLocked(engineID, host string, port int, res *sidechannel.Result) (*remoteEngine, error) {
 	md, ok := res.Agents[sidechannel.Rank{PP: 0, TP: w.cfg.TPRank}]
 	if !ok || md == nil {
 		return nil, fmt.Errorf("remote engine %s returned no metadata for tp_rank %d", engineID, w.cfg.TPRank)
@@ -590,7 +600,8 @@ func (w *Worker) addRemoteLocked(engineID string, res *sidechannel.Result) (*rem
 			_ = w.agent.InvalidateRemote(old.agent)
 		}
 	}
-	re := &remoteEngine{id: engineID, agent: name, list: list, numBlocks: md.NumBlocks, regions: len(regs), offset: res.ClockOffset, rtt: res.BestRTT}
+	re := &remoteEngine{id: engineID, agent: name, list: list, numBlocks: md.NumBlocks, regions: len(regs),
+		offset: res.ClockOffset, rtt: res.BestRTT, host: host, port: port}
 	w.remotes[engineID] = re
 	return re, nil
 }
@@ -601,12 +612,23 @@ func (w *Worker) dropRemoteOnDisconnect(re *remoteEngine, err error) {
 	if !errors.Is(err, nixl.ErrRemoteDiscon) {
 		return
 	}
-	if cur, ok := w.remotes[re.id]; ok && cur == re {
-		delete(w.remotes, re.id)
-		_ = re.list.Release()
-		_ = w.agent.InvalidateRemote(re.agent)
+	if w.dropRemoteLocked(re) {
 		w.log.Warn("remote engine disconnected; it will be re-handshaken on next use", zap.String("remote_engine_id", re.id))
 	}
+}
+
+// dropRemoteLocked forgets a remote engine (its prepared list and agent),
+// so the next request for it handshakes again. Transfers still in flight
+// keep their own references and finish or fail on their own.
+func (w *Worker) dropRemoteLocked(re *remoteEngine) bool {
+	cur, ok := w.remotes[re.id]
+	if !ok || cur != re {
+		return false
+	}
+	delete(w.remotes, re.id)
+	_ = re.list.Release()
+	_ = w.agent.InvalidateRemote(re.agent)
+	return true
 }
 
 func (w *Worker) sendHeartbeatsLocked(hbs map[string]*HeartbeatInfo) {
@@ -722,6 +744,10 @@ func (w *Worker) pollTransfersLocked() {
 					}
 					w.stats.RecordFailedTransfer()
 					w.failLocked(st, "transfer_failed", fmt.Sprintf("READ still in flight after transfer_timeout=%gs", w.cfg.TransferTimeout), nil)
+					if st.remote != nil {
+						// A peer that stopped answering is handshaken anew.
+						w.dropRemoteLocked(st.remote)
+					}
 					continue
 				}
 				kept = append(kept, f)

@@ -869,13 +869,6 @@ def test_other_transfer_engines(connector_cls, dist_env, engine):
             e.shutdown()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shim/worker.go readLocked reuses the cached remote agent for a known remote_engine_id even when "
-    "the request names another side-channel address (the restarted prefill's port); it re-handshakes only "
-    "after nixl.ErrRemoteDiscon (dropRemoteOnDisconnect), so every READ goes to the dead agent and ends in "
-    "transfer_timeout, and the decode never recovers",
-)
 def test_prefill_restart_with_the_same_engine_id(connector_cls, dist_env):
     """The prefill instance restarts (same engine_id, new agent, new side
     channel port) after the decode has handshaken with it. The decode must
