@@ -136,10 +136,13 @@ def main() -> int:
         common = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--enforce-eager", "--dtype", "float32",
                   "--block-size", "32", "--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(256 << 20)]
 
-        def kvcfg(role: str) -> str:
-            return json.dumps({"kv_connector": "GoNixlConnector", "kv_connector_module_path": "gonixl.vllm", "kv_role": role})
+        engine = os.environ.get("GONIXL_DEMO_ENGINE", "ucx")
 
-        section("starting prefill, decode and proxy (logs in %s)" % logdir)
+        def kvcfg(role: str) -> str:
+            return json.dumps({"kv_connector": "GoNixlConnector", "kv_connector_module_path": "gonixl.vllm", "kv_role": role,
+                               "kv_connector_extra_config": {"transfer_engine": engine}})
+
+        section(f"starting prefill, decode and proxy; transfer_engine={engine} (logs in {logdir})")
         procs.start("prefill", common + ["--port", str(p_port), "--kv-transfer-config", kvcfg("kv_producer")],
                     dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(p_side)))
         d_log = procs.start("decode", common + ["--port", str(d_port), "--kv-transfer-config", kvcfg("kv_consumer")],

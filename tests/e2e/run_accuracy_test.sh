@@ -6,8 +6,8 @@
 #
 # Every process started here is stopped on exit, also on failure.
 # Environment knobs: GONIXL_E2E_LOGS (log folder), GONIXL_E2E_TIMEOUT
-# (seconds to wait for the servers, default 600), GONIXL_E2E_KEEP=1 (leave
-# logs in place).
+# (seconds to wait for the servers, default 600), GONIXL_E2E_ENGINE
+# (transfer_engine: ucx, nixl or auto; default ucx).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -80,9 +80,13 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_NIXL_S
 # or the engines' background threads (gonixl's handshakes among them) starve.
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE VLLM_CPU_OMP_THREADS_BIND=nobind
 
+# The transfer engine: gonixl's UCX engine by default. With the NIXL engine
+# (GONIXL_E2E_ENGINE=nixl or auto) a decode engine has been seen to stall
+# for ~30 s before its READ on this loaded 2-core host (see the issue notes);
+# gonixl then refuses the lapsed lease instead of reading stale blocks.
 kv_config() {
   printf '{"kv_connector":"GoNixlConnector","kv_connector_module_path":"gonixl.vllm","kv_role":"%s","kv_connector_extra_config":{"transfer_engine":"%s"}}' \
-    "$1" "${GONIXL_E2E_ENGINE:-auto}"
+    "$1" "${GONIXL_E2E_ENGINE:-ucx}"
 }
 
 start() { # name port args...
