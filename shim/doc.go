@@ -6,7 +6,8 @@
 // flattens vLLM objects; every decision is made here.
 //
 // Imports: the standard library, nixl (the engine-neutral interface, never a
-// concrete engine), sidechannel, zap and client_golang. No cgo, no unsafe.
+// concrete engine), sidechannel, zap, client_golang (+ prometheus/common for
+// the text format) and msgpack/v5 (per-step metadata). No cgo, no unsafe.
 //
 // Concurrency: Scheduler and Worker are safe for concurrent use; their
 // public methods take the object's lock, and background goroutines
