@@ -141,6 +141,20 @@ func blockIDs(flat *C.int64_t, n C.int64_t, lens *C.int64_t, groups C.int64_t) (
 	return out, nil
 }
 
+// newHandle parses a configuration, builds the object and registers it;
+// the handle is 0 on error.
+func newHandle(cfgJSON *C.char, cfgLen C.size_t, kind handleKind, build func(*shim.Config) (any, error)) (uint64, error) {
+	cfg, err := parseConfig(cfgJSON, cfgLen)
+	if err != nil {
+		return 0, err
+	}
+	obj, err := build(cfg)
+	if err != nil {
+		return 0, errorf(statusInvalidArg, "%v", err)
+	}
+	return handles.add(kind, obj), nil
+}
+
 //export gonixl_scheduler_new
 func gonixl_scheduler_new(cfgJSON *C.char, cfgLen C.size_t, out *C.gonixl_scheduler_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return guard(cerr, func() error {
@@ -148,16 +162,9 @@ func gonixl_scheduler_new(cfgJSON *C.char, cfgLen C.size_t, out *C.gonixl_schedu
 			return errorf(statusNullPointer, "out handle pointer is NULL")
 		}
 		*out = 0
-		cfg, err := parseConfig(cfgJSON, cfgLen)
-		if err != nil {
-			return err
-		}
-		s, err := shim.NewScheduler(cfg, nil)
-		if err != nil {
-			return errorf(statusInvalidArg, "%v", err)
-		}
-		*out = C.gonixl_scheduler_t(handles.add(kindScheduler, s))
-		return nil
+		h, err := newHandle(cfgJSON, cfgLen, kindScheduler, func(c *shim.Config) (any, error) { return shim.NewScheduler(c, nil) })
+		*out = C.gonixl_scheduler_t(h)
+		return err
 	})
 }
 
@@ -343,16 +350,9 @@ func gonixl_worker_new(cfgJSON *C.char, cfgLen C.size_t, out *C.gonixl_worker_t,
 			return errorf(statusNullPointer, "out handle pointer is NULL")
 		}
 		*out = 0
-		cfg, err := parseConfig(cfgJSON, cfgLen)
-		if err != nil {
-			return err
-		}
-		w, err := shim.NewWorker(cfg, nil)
-		if err != nil {
-			return errorf(statusInvalidArg, "%v", err)
-		}
-		*out = C.gonixl_worker_t(handles.add(kindWorker, w))
-		return nil
+		h, err := newHandle(cfgJSON, cfgLen, kindWorker, func(c *shim.Config) (any, error) { return shim.NewWorker(c, nil) })
+		*out = C.gonixl_worker_t(h)
+		return err
 	})
 }
 
