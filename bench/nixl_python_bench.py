@@ -43,11 +43,20 @@ def indices(pattern, batch, slots, side):
     return ((i * PRIME + off) % slots).astype(np.int32)
 
 
+def set_thp(on):
+    """Choose whether numpy advises transparent huge pages for large arrays
+    (numpy's default is to advise them; torch's CPU allocator does not), so
+    that both implementations register the same kind of memory."""
+    core = getattr(np, "_core", None) or np.core
+    core.multiarray._set_madvise_hugepage(bool(on))
+
+
 def load_api(module):
     return importlib.import_module(module + "._api")
 
 
-def target(conn, module, cap, progress):
+def target(conn, module, cap, progress, thp):
+    set_thp(thp)
     api = load_api(module)
     cfg = api.nixl_agent_config(enable_prog_thread=progress, backends=["UCX"])
     agent = api.nixl_agent("py-bench-target-%d" % os.getpid(), cfg)
@@ -105,13 +114,14 @@ def run(args):
     api = load_api(args.module)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, args.module, args.cap, bool(args.progress_thread)))
+    proc = ctx.Process(target=target, args=(child, args.module, args.cap, bool(args.progress_thread), bool(args.thp)))
     proc.start()
     try:
         md, remote_base = parent.recv()
         cfg = api.nixl_agent_config(enable_prog_thread=bool(args.progress_thread), backends=["UCX"],
                                     capture_telemetry=True)
         agent = api.nixl_agent("py-bench-init-%d" % os.getpid(), cfg)
+        set_thp(args.thp)
         buf = np.zeros(args.cap, dtype=np.uint8)
         reg = agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"))
         remote = agent.add_remote_agent(md)
@@ -162,6 +172,8 @@ def main():
     p.add_argument("--max-iters", type=int, default=1000)
     p.add_argument("--pattern", choices=["scattered", "contiguous"], default="scattered")
     p.add_argument("--progress-thread", type=int, default=1)
+    p.add_argument("--thp", type=int, default=0,
+                   help="1: advise transparent huge pages for the buffers (numpy's default); 0: not (torch's)")
     p.add_argument("--serve", action="store_true",
                    help="measure the sizes requested on stdin, one JSON object a line, instead of the lists")
     args = p.parse_args()

@@ -12,7 +12,6 @@ package main
 // done, Release.
 
 import (
-	"bufio"
 	"encoding/gob"
 	"encoding/json"
 	"errors"
@@ -65,6 +64,8 @@ type transferOpts struct {
 	jsonOut       string
 	role          string
 	rounds        int
+	thp           bool
+	fresh         bool
 }
 
 func parseSizes(s string) ([]int, error) {
@@ -119,7 +120,9 @@ func parseTransferFlags(args []string, stderr io.Writer) (*transferOpts, error) 
 	fs.IntVar(&o.memBatch, "mem-batch", 64, "descriptors per transfer in the memory-growth check")
 	fs.IntVar(&o.overheadDescs, "overhead-descs", 16384, "descriptors for the per-descriptor CPU cost (0 skips)")
 	fs.StringVar(&o.jsonOut, "json", "", "also write all results as JSON to this file")
-	fs.StringVar(&o.role, "role", "initiator", "internal: initiator or target")
+	fs.StringVar(&o.role, "role", "initiator", "internal: initiator, serve or target")
+	fs.BoolVar(&o.thp, "thp", false, "advise transparent huge pages for the registered regions on both sides, Go and Python (numpy's default; vLLM's torch KV cache does not)")
+	fs.BoolVar(&o.fresh, "fresh", true, "start new processes (new memory) for every round")
 	fs.IntVar(&o.rounds, "rounds", 1, "alternate gonixl and NIXL-Python sweeps this many times and keep each one's best per size (evens out load on a shared host)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -155,7 +158,7 @@ func parseTransferFlags(args []string, stderr io.Writer) (*transferOpts, error) 
 		return nil, fmt.Errorf("-pattern: %q is neither scattered nor contiguous", o.pattern)
 	}
 	for _, b := range o.blocks {
-		if b > o.capBytes && o.role != "target" {
+		if b > o.capBytes && o.role == "initiator" {
 			return nil, fmt.Errorf("block size %d exceeds -cap %d", b, o.capBytes)
 		}
 	}
@@ -190,10 +193,26 @@ func benchIndices(pattern string, batch, slots int, remote bool) []int32 {
 // region is anonymous mmap-ed memory outside the Go heap.
 type region struct{ b []byte }
 
-func newRegion(n int) (*region, error) {
-	b, err := syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE|syscall.MAP_POPULATE)
+// newRegion maps n bytes, with transparent huge pages advised when thp is
+// set (what numpy does for large arrays; torch's CPU allocator, and so
+// vLLM's KV cache, does not). The pages are populated either way.
+func newRegion(n int, thp bool) (*region, error) {
+	flags := syscall.MAP_ANON | syscall.MAP_PRIVATE
+	if !thp {
+		flags |= syscall.MAP_POPULATE
+	}
+	b, err := syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, flags)
 	if err != nil {
 		return nil, fmt.Errorf("mmap %d bytes: %w", n, err)
+	}
+	if thp {
+		if err := syscall.Madvise(b, 14 /* MADV_HUGEPAGE */); err != nil {
+			_ = syscall.Munmap(b)
+			return nil, fmt.Errorf("madvise(MADV_HUGEPAGE): %w", err)
+		}
+		for i := 0; i < len(b); i += 4096 {
+			b[i] = 0
+		}
 	}
 	return &region{b: b}, nil
 }
@@ -244,7 +263,7 @@ func runTarget(o *transferOpts, stdout io.Writer) error {
 		return fail(err)
 	}
 	defer a.Close()
-	r, err := newRegion(o.capBytes)
+	r, err := newRegion(o.capBytes, o.thp)
 	if err != nil {
 		return fail(err)
 	}
@@ -338,7 +357,7 @@ func startInitiator(o *transferOpts, stderr io.Writer) (*initiator, error) {
 		return nil, err
 	}
 	args := []string{"transfer", "-role", "target", "-engine", o.engine, "-cap", strconv.Itoa(o.capBytes),
-		"-progress-thread=" + strconv.FormatBool(o.progress)}
+		"-progress-thread=" + strconv.FormatBool(o.progress), "-thp=" + strconv.FormatBool(o.thp)}
 	cmd := exec.Command(exe, args...)
 	cmd.Stderr = stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -374,7 +393,7 @@ func startInitiator(o *transferOpts, stderr io.Writer) (*initiator, error) {
 		in.stop()
 		return nil, err
 	}
-	if in.r, err = newRegion(o.capBytes); err != nil {
+	if in.r, err = newRegion(o.capBytes, o.thp); err != nil {
 		in.stop()
 		return nil, err
 	}
@@ -642,16 +661,9 @@ func pythonModule(info string) string {
 	return "nixl"
 }
 
-// pyServer is bench/nixl_python_bench.py in --serve mode: it measures one
-// size point per request, so that gonixl and NIXL-Python alternate.
-type pyServer struct {
-	cmd   *exec.Cmd
-	stdin io.WriteCloser
-	sc    *bufio.Scanner
-	info  string
-}
-
-func startPython(o *transferOpts, module string, stderr io.Writer) (*pyServer, error) {
+// startPython starts bench/nixl_python_bench.py in --serve mode: it measures
+// one size point per request, so that gonixl and NIXL-Python alternate.
+func startPython(o *transferOpts, module string, stderr io.Writer) (*procGroup, string, error) {
 	wd, _ := os.Getwd()
 	py := o.python
 	if py == "" {
@@ -667,77 +679,20 @@ func startPython(o *transferOpts, module string, stderr io.Writer) (*pyServer, e
 	if script == "" {
 		script = findUp(wd, "bench/nixl_python_bench.py")
 		if script == "" {
-			return nil, errors.New("bench/nixl_python_bench.py not found (use -script)")
+			return nil, "", errors.New("bench/nixl_python_bench.py not found (use -script)")
 		}
 	}
 	args := []string{script, "--serve", "--module", module,
 		"--cap", strconv.Itoa(o.capBytes),
 		"--min-time", strconv.FormatFloat(o.minTime.Seconds(), 'f', 3, 64),
 		"--min-iters", strconv.Itoa(o.minIters), "--max-iters", strconv.Itoa(o.maxIters),
-		"--pattern", o.pattern, "--progress-thread", map[bool]string{true: "1", false: "0"}[o.progress]}
-	cmd := exec.Command(py, args...)
-	cmd.Stderr = stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	stdin, err := cmd.StdinPipe()
+		"--pattern", o.pattern, "--progress-thread", map[bool]string{true: "1", false: "0"}[o.progress],
+		"--thp", map[bool]string{true: "1", false: "0"}[o.thp]}
+	g, err := startGroup("NIXL-Python ("+py+" "+script+")", exec.Command(py, args...), stderr)
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("%s: %w", py, err)
-	}
-	s := &pyServer{cmd: cmd, stdin: stdin, sc: bufio.NewScanner(out)}
-	s.sc.Buffer(make([]byte, 1<<20), 64<<20)
-	for s.sc.Scan() {
-		var line struct {
-			Info map[string]string `json:"info"`
-		}
-		if json.Unmarshal(s.sc.Bytes(), &line) == nil && line.Info != nil {
-			s.info = fmt.Sprintf("%s (%s)", line.Info["module"], line.Info["api_file"])
-			return s, nil
-		}
-	}
-	s.close()
-	return nil, fmt.Errorf("%s %s exited before it was ready", py, script)
-}
-
-func (s *pyServer) measure(c combo) (result, error) {
-	req, _ := json.Marshal(map[string]any{"op": strings.ToLower(c.op.String()), "block": c.block, "batch": c.batch})
-	if _, err := s.stdin.Write(append(req, '\n')); err != nil {
-		return result{}, err
-	}
-	for s.sc.Scan() {
-		var line struct {
-			Op      string  `json:"op"`
-			Block   int     `json:"block"`
-			Batch   int     `json:"batch"`
-			Make    []int64 `json:"make_ns"`
-			Post    []int64 `json:"post_ns"`
-			Xfer    []int64 `json:"xfer_ns"`
-			Release []int64 `json:"release_ns"`
-		}
-		if json.Unmarshal(s.sc.Bytes(), &line) != nil || line.Op == "" {
-			continue // not ours
-		}
-		return summarize("nixl-python", line.Op, line.Block, line.Batch, line.Make, line.Post, line.Xfer, line.Release), nil
-	}
-	return result{}, errors.New("NIXL-Python bench exited")
-}
-
-func (s *pyServer) close() {
-	_, _ = io.WriteString(s.stdin, "quit\n")
-	_ = s.stdin.Close()
-	done := make(chan struct{})
-	go func() { _ = s.cmd.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(60 * time.Second):
-		_ = s.cmd.Process.Kill()
-		<-done
-	}
+	return g, fmt.Sprintf("%s (%s)", g.info["module"], g.info["api_file"]), nil
 }
 
 type report struct {
@@ -760,32 +715,61 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 	if o.role == "target" {
 		return runTarget(o, stdout)
 	}
-	in, err := startInitiator(o, stderr)
-	if err != nil {
-		return err
+	if o.role == "serve" {
+		return serveGo(o, os.Stdin, stdout, stderr)
 	}
-	defer in.stop()
-	rep := report{Command: "gonixl-bench transfer " + strings.Join(args, " "), Engine: o.engine, Info: in.e.Info()}
-	fmt.Fprintf(stdout, "engine %s: %s\npattern %s, progress thread %v, cap %d MiB a side\n", o.engine, rep.Info, o.pattern, o.progress, o.capBytes>>20)
-	var py *pyServer
-	if o.python != "none" && o.engine != "fake" {
-		if py, err = startPython(o, pythonModule(rep.Info), stderr); err != nil {
-			fmt.Fprintf(stderr, "NIXL-Python comparison skipped: %v\n", err)
-		} else {
-			rep.PyInfo = py.info
-			defer func() {
-				if py != nil {
-					py.close()
-				}
-			}()
+	var goG, py *procGroup
+	closeGroups := func() {
+		if goG != nil {
+			goG.close()
+			goG = nil
+		}
+		if py != nil {
+			py.close()
+			py = nil
 		}
 	}
+	defer closeGroups()
+	rep := report{Command: "gonixl-bench transfer " + strings.Join(args, " "), Engine: o.engine}
+	pyWanted := o.python != "none" && o.engine != "fake"
+	// startGroups starts both implementations' processes, each paused until
+	// it measures. With -fresh every round gets new processes (new memory):
+	// on this VM a region's bandwidth depends on where its pages landed, and
+	// a process keeps its luck for its whole life.
+	startGroups := func() error {
+		var err error
+		if goG, err = startGoGroup(o, stderr); err != nil {
+			return err
+		}
+		goG.pause()
+		rep.Info = goG.info["engine"]
+		if pyWanted {
+			if py, rep.PyInfo, err = startPython(o, pythonModule(rep.Info), stderr); err != nil {
+				fmt.Fprintf(stderr, "NIXL-Python comparison skipped: %v\n", err)
+				pyWanted = false
+			} else {
+				py.pause()
+			}
+		}
+		return nil
+	}
+	if err := startGroups(); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "engine %s: %s\npattern %s, progress thread %v, cap %d MiB a side, huge pages %v\n",
+		o.engine, rep.Info, o.pattern, o.progress, o.capBytes>>20, o.thp)
 	// Size by size, gonixl and NIXL-Python back to back (order swapped
-	// every round), so that both see the same host load.
+	// every round); the group not measuring is stopped (transfer_serve.go).
 	for round := 0; round < o.rounds; round++ {
+		if round > 0 && o.fresh {
+			closeGroups()
+			if err := startGroups(); err != nil {
+				return err
+			}
+		}
 		for _, c := range o.combos() {
 			runGo := func() error {
-				r, err := in.measure(c)
+				r, err := goG.measure(c, "gonixl/"+o.engine)
 				if err == nil {
 					rep.Go = keepBest(rep.Go, []result{r})
 				}
@@ -795,7 +779,7 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 				if py == nil {
 					return
 				}
-				r, err := py.measure(c)
+				r, err := py.measure(c, "nixl-python")
 				if err != nil {
 					fmt.Fprintf(stderr, "NIXL-Python comparison stopped: %v\n", err)
 					py.close()
@@ -816,6 +800,18 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 		}
 		rep.Rounds = round + 1
 	}
+	closeGroups()
+	if o.overheadDescs == 0 && o.memIters == 0 {
+		printReport(stdout, &rep)
+		return writeReportJSON(o.jsonOut, &rep)
+	}
+	// Our own CPU cost and memory growth, in this process, with the
+	// comparison's processes gone.
+	in, err := startInitiator(o, stderr)
+	if err != nil {
+		return err
+	}
+	defer in.stop()
 	in.releaseCache()
 	if o.overheadDescs > 0 {
 		ov, err := in.overhead(o.overheadDescs)
@@ -837,13 +833,15 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 		rep.Memory = &m
 	}
 	printReport(stdout, &rep)
-	if o.jsonOut != "" {
-		b, _ := json.MarshalIndent(&rep, "", "  ")
-		if err := os.WriteFile(o.jsonOut, b, 0o644); err != nil {
-			return err
-		}
+	return writeReportJSON(o.jsonOut, &rep)
+}
+
+func writeReportJSON(path string, rep *report) error {
+	if path == "" {
+		return nil
 	}
-	return nil
+	b, _ := json.MarshalIndent(rep, "", "  ")
+	return os.WriteFile(path, b, 0o644)
 }
 
 // keepBest merges a round's results into the best so far, per (op, block,
@@ -885,7 +883,7 @@ func printReport(w io.Writer, rep *report) {
 	if rep.PyInfo != "" {
 		fmt.Fprintf(w, "NIXL-Python: %s\n", rep.PyInfo)
 	}
-	fmt.Fprintf(w, "best of %d round(s) per size, gonixl and NIXL-Python alternating size by size; GB/s from the median transfer time (robust to load spikes), GB/s mean = Σbytes/Σtime; ratio = gonixl GB/s / NIXL-Python GB/s\n", rep.Rounds)
+	fmt.Fprintf(w, "best of %d round(s) per size (new processes every round unless -fresh=false), gonixl and NIXL-Python alternating size by size, the one not measuring stopped; GB/s from the median transfer time (robust to load spikes), GB/s mean = Σbytes/Σtime; ratio = gonixl GB/s / NIXL-Python GB/s\n", rep.Rounds)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "op\tblock\tbatch\titers\tGB/s\tGB/s mean\tmake µs\tpost µs\txfer µs p50\txfer µs p99\trelease µs\tpy GB/s\tpy GB/s mean\tpy make µs\tpy post µs\tpy xfer µs\tratio\t")
 	for _, r := range rep.Go {

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/gonixl/gonixl/nixl"
 )
@@ -184,4 +185,43 @@ func TestTransferWithPython(t *testing.T) {
 			t.Errorf("python result %+v", r)
 		}
 	}
+}
+
+// The process group not measuring is stopped (SIGSTOP) and continued for
+// its own measurements; a child of the group is stopped with it.
+func TestProcGroupPause(t *testing.T) {
+	cmd := exec.Command("sh", "-c", `sleep 60 & echo '{"info":{"x":"y"}}'; read line; kill $!`)
+	g, err := startGroup("sh", cmd, os.Stderr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.close()
+	state := func(pid int) byte {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := string(b)
+		return s[strings.LastIndexByte(s, ')')+2]
+	}
+	waitState := func(pid int, want byte) {
+		for i := 0; i < 200 && state(pid) != want; i++ {
+			time.Sleep(10 * time.Millisecond)
+		}
+		if got := state(pid); got != want {
+			t.Fatalf("pid %d state %c, want %c", pid, got, want)
+		}
+	}
+	g.pause()
+	waitState(cmd.Process.Pid, 'T')
+	kids, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", cmd.Process.Pid, cmd.Process.Pid))
+	if f := strings.Fields(string(kids)); len(f) == 1 {
+		var kid int
+		fmt.Sscan(f[0], &kid)
+		waitState(kid, 'T')
+	} else {
+		t.Fatalf("want one child of the group, got %q", kids)
+	}
+	g.resume()
+	waitState(cmd.Process.Pid, 'S')
 }

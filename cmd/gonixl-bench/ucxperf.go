@@ -328,12 +328,12 @@ func lastLines(s string, n int) string {
 // memcpyBig copies n bytes between two populated mmap regions on this
 // goroutine (one core) for at least 300 ms and returns GB/s.
 func memcpyBig(n int) (float64, error) {
-	src, err := newRegion(n)
+	src, err := newRegion(n, false)
 	if err != nil {
 		return 0, err
 	}
 	defer src.free()
-	dst, err := newRegion(n)
+	dst, err := newRegion(n, false)
 	if err != nil {
 		return 0, err
 	}
@@ -352,12 +352,12 @@ func memcpyBig(n int) (float64, error) {
 // benchmark's scattered index pattern over two capBytes regions: what the
 // engine moves per transfer, done by one core with copy().
 func memcpyScattered(blk, batch, capBytes int, minTime time.Duration) (float64, error) {
-	src, err := newRegion(capBytes)
+	src, err := newRegion(capBytes, false)
 	if err != nil {
 		return 0, err
 	}
 	defer src.free()
-	dst, err := newRegion(capBytes)
+	dst, err := newRegion(capBytes, false)
 	if err != nil {
 		return 0, err
 	}

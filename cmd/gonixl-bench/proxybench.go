@@ -1,0 +1,536 @@
+package main
+
+// gonixl-bench proxy: the latency gonixl-proxy adds, measured with the
+// shipped binary in its own process. See docs/BENCHMARKS.md (Proxy).
+//
+// Three processes: fake OpenAI upstreams (this binary re-executed with
+// -role upstream: one prefill and one decode instance), the gonixl-proxy
+// binary in toy mode in front of them, and this process as the closed-loop
+// load generator. For every (service time, body kind, concurrency) point it
+// alternates batches of requests sent to the fake decode instance directly
+// and through the proxy, so both see the same machine, and reports the
+// percentiles of each and their difference. Every response is compared byte
+// for byte with what the decode instance sends; one failure fails the run.
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"text/tabwriter"
+	"time"
+)
+
+func init() {
+	register("proxy", "latency added by the gonixl-proxy process vs calling the upstream directly", runProxyBench)
+}
+
+// proxyPoint is one measured (service time, body, concurrency) point.
+type proxyPoint struct {
+	Delay       string  `json:"decode_delay"`
+	Stream      bool    `json:"stream"`
+	Concurrency int     `json:"concurrency"`
+	Requests    int     `json:"requests_each"`
+	DirectP50   float64 `json:"direct_p50_us"`
+	DirectP99   float64 `json:"direct_p99_us"`
+	ProxyP50    float64 `json:"proxy_p50_us"`
+	ProxyP99    float64 `json:"proxy_p99_us"`
+	AddedP50    float64 `json:"added_p50_us"`
+	AddedP99    float64 `json:"added_p99_us"`
+	FirstAdd50  float64 `json:"first_byte_added_p50_us,omitempty"`
+	FirstAdd99  float64 `json:"first_byte_added_p99_us,omitempty"`
+	DirectRPS   float64 `json:"direct_rps"`
+	ProxyRPS    float64 `json:"proxy_rps"`
+	ProxyCPUus  float64 `json:"proxy_cpu_us_per_request"`
+	Met         bool    `json:"target_met"`
+	LoadAverage string  `json:"loadavg_after"`
+}
+
+type proxyReport struct {
+	Command string       `json:"command"`
+	Proxy   string       `json:"proxy_binary"`
+	CPUs    int          `json:"cpus"`
+	Points  []proxyPoint `json:"points"`
+}
+
+// Fake upstream bodies. The decode bodies are what the client must receive.
+var (
+	fakePrefillResp = []byte(`{"id":"cmpl-p","object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":"length"}],` +
+		`"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3,4,5,6,7,8],` +
+		`"remote_engine_id":"e0","remote_request_id":"r0","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}`)
+	fakeDecodeJSON = []byte(`{"id":"cmpl-d","object":"text_completion","choices":[{"index":0,"text":"` +
+		strings.Repeat("tok ", 16) + `","finish_reason":"length"}],"usage":{"prompt_tokens":64,"completion_tokens":16}}`)
+)
+
+func fakeDecodeSSE(chunks int) []byte {
+	var b bytes.Buffer
+	for i := 0; i < chunks; i++ {
+		fmt.Fprintf(&b, "data: {\"id\":\"cmpl-d\",\"choices\":[{\"index\":0,\"text\":\"tok%d \",\"finish_reason\":null}]}\n\n", i)
+	}
+	b.WriteString("data: [DONE]\n\n")
+	return b.Bytes()
+}
+
+func runProxyBench(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("proxy", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var role, proxyBin, delaysS, concS, streamsS, jsonOut string
+	var requests, batch, chunks int
+	var prefillDelay, decodeDelay, tokenGap time.Duration
+	fs.StringVar(&role, "role", "bench", "bench, or upstream (internal: the fake instances)")
+	fs.StringVar(&proxyBin, "proxy-bin", "", "gonixl-proxy binary (default: next to this binary, else $PATH)")
+	fs.StringVar(&delaysS, "delays", "0,5ms,20ms", "fake decode service times before the first byte, one point each")
+	fs.DurationVar(&prefillDelay, "prefill-delay", 0, "fake prefill service time")
+	fs.DurationVar(&tokenGap, "token-interval", 0, "pause between streamed events (inter-token latency)")
+	fs.StringVar(&concS, "concurrency", "1,64", "closed-loop clients, one point each")
+	fs.StringVar(&streamsS, "stream", "false,true", "JSON response (false) and/or server-sent events (true)")
+	fs.IntVar(&requests, "requests", 20000, "requests of each kind (direct, proxied) per point")
+	fs.IntVar(&batch, "batch", 2000, "requests per alternating batch")
+	fs.IntVar(&chunks, "chunks", 16, "events per streamed response")
+	fs.DurationVar(&decodeDelay, "delay", 0, "(upstream role) decode service time")
+	fs.StringVar(&jsonOut, "json", "", "also write the results as JSON to this file")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if role == "upstream" {
+		return serveFakeUpstreams(stdout, prefillDelay, decodeDelay, tokenGap, chunks)
+	}
+	if role != "bench" {
+		return fmt.Errorf("-role %q: want bench or upstream", role)
+	}
+	if requests <= 0 || batch <= 0 || chunks <= 0 {
+		return errors.New("-requests, -batch and -chunks must be positive")
+	}
+	bin, err := findProxyBinary(proxyBin)
+	if err != nil {
+		return err
+	}
+	var delays []time.Duration
+	for _, s := range splitList(delaysS) {
+		d, err := time.ParseDuration(s)
+		if s == "0" {
+			d, err = 0, nil
+		}
+		if err != nil {
+			return fmt.Errorf("-delays: %w", err)
+		}
+		delays = append(delays, d)
+	}
+	var concs []int
+	for _, s := range splitList(concS) {
+		c, err := strconv.Atoi(s)
+		if err != nil || c <= 0 {
+			return fmt.Errorf("-concurrency: bad value %q", s)
+		}
+		concs = append(concs, c)
+	}
+	var streams []bool
+	for _, s := range splitList(streamsS) {
+		v, err := strconv.ParseBool(s)
+		if err != nil {
+			return fmt.Errorf("-stream: %w", err)
+		}
+		streams = append(streams, v)
+	}
+
+	rep := proxyReport{Command: "gonixl-bench proxy " + strings.Join(args, " "), Proxy: bin, CPUs: runtime.NumCPU()}
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(stdout, "gonixl-proxy %s; %d CPUs; %d requests of each kind per point; µs\n", bin, runtime.NumCPU(), requests)
+	fmt.Fprintln(tw, "delay\tbody\tc\tdirect p50\tdirect p99\tproxy p50\tproxy p99\tadded p50\tadded p99\t1st byte +p50\t1st byte +p99\tproxy req/s\tproxy CPU µs/req\ttarget\t")
+	for _, d := range delays {
+		pts, err := proxyBenchDelay(bin, d, prefillDelay, tokenGap, chunks, streams, concs, requests, batch, stderr)
+		if err != nil {
+			return err
+		}
+		for _, p := range pts {
+			body := "JSON"
+			if p.Stream {
+				body = "SSE"
+			}
+			first := "\t"
+			if p.Stream {
+				first = fmt.Sprintf("%.0f\t%.0f", p.FirstAdd50, p.FirstAdd99)
+			}
+			mark := "met"
+			if !p.Met {
+				mark = "NOT met"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%.0f\t%.0f\t%.0f\t%.0f\t%.0f\t%s\t%.0f\t%.0f\t%s\t\n", p.Delay, body, p.Concurrency,
+				p.DirectP50, p.DirectP99, p.ProxyP50, p.ProxyP99, p.AddedP50, p.AddedP99, first, p.ProxyRPS, p.ProxyCPUus, mark)
+			rep.Points = append(rep.Points, p)
+		}
+		_ = tw.Flush()
+	}
+	_ = tw.Flush()
+	fmt.Fprintln(stdout, "target (issue 7): added ≤ 500 µs at p50 and ≤ 2000 µs at p99, no failed request")
+	if jsonOut != "" {
+		b, _ := json.MarshalIndent(rep, "", "  ")
+		if err := os.WriteFile(jsonOut, append(b, '\n'), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+func findProxyBinary(flagVal string) (string, error) {
+	if flagVal != "" {
+		if _, err := os.Stat(flagVal); err != nil {
+			return "", fmt.Errorf("-proxy-bin: %w", err)
+		}
+		return flagVal, nil
+	}
+	if self, err := os.Executable(); err == nil {
+		cand := filepath.Join(filepath.Dir(self), "gonixl-proxy")
+		if _, err := os.Stat(cand); err == nil {
+			return cand, nil
+		}
+	}
+	if p, err := exec.LookPath("gonixl-proxy"); err == nil {
+		return p, nil
+	}
+	return "", errors.New("gonixl-proxy not found next to gonixl-bench or in $PATH (./build.sh build puts both in build/bin; or pass -proxy-bin)")
+}
+
+// serveFakeUpstreams is the upstream role: a fake prefill and a fake decode
+// instance on loopback; it prints "<prefill port> <decode port>" and serves
+// until its stdin closes.
+func serveFakeUpstreams(stdout io.Writer, prefillDelay, decodeDelay, gap time.Duration, chunks int) error {
+	sse := fakeDecodeSSE(chunks)
+	serve := func(delay time.Duration, prefill bool) (net.Listener, error) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			body, _ := io.ReadAll(r.Body)
+			if delay > 0 {
+				time.Sleep(delay)
+			}
+			if prefill || !bytes.Contains(body, []byte(`"stream":true`)) {
+				out := fakeDecodeJSON
+				if prefill {
+					out = fakePrefillResp
+				}
+				w.Header().Set("Content-Type", "application/json")
+				w.Header().Set("Content-Length", strconv.Itoa(len(out)))
+				_, _ = w.Write(out)
+				return
+			}
+			// One event per write and flush, as vLLM streams tokens.
+			w.Header().Set("Content-Type", "text/event-stream")
+			fl := w.(http.Flusher)
+			for rest := sse; len(rest) > 0; {
+				i := bytes.Index(rest, []byte("\n\n")) + 2
+				_, _ = w.Write(rest[:i])
+				fl.Flush()
+				rest = rest[i:]
+				if gap > 0 && len(rest) > 0 {
+					time.Sleep(gap)
+				}
+			}
+		})
+		go func() { _ = (&http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}).Serve(ln) }()
+		return ln, nil
+	}
+	pl, err := serve(prefillDelay, true)
+	if err != nil {
+		return err
+	}
+	dl, err := serve(decodeDelay, false)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "%d %d\n", pl.Addr().(*net.TCPAddr).Port, dl.Addr().(*net.TCPAddr).Port)
+	_, _ = io.Copy(io.Discard, os.Stdin) // the parent closes stdin (or dies)
+	return nil
+}
+
+// child is a started helper process.
+type child struct {
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+}
+
+func (c *child) stop() {
+	_ = c.stdin.Close()
+	_ = c.cmd.Process.Signal(os.Interrupt)
+	done := make(chan struct{})
+	go func() { _ = c.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		_ = c.cmd.Process.Kill()
+		<-done
+	}
+}
+
+// cpuTime is a process's user+system CPU time so far, from /proc.
+func cpuTime(pid int) (time.Duration, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return 0, errors.New("bad /proc stat")
+	}
+	f := strings.Fields(s[i+1:])
+	if len(f) < 13 {
+		return 0, errors.New("bad /proc stat")
+	}
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(ut+st) * time.Second / 100, nil // USER_HZ is 100 on Linux
+}
+
+func proxyBenchDelay(bin string, delay, prefillDelay, gap time.Duration, chunks int, streams []bool, concs []int,
+	requests, batch int, stderr io.Writer) ([]proxyPoint, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	up := exec.Command(self, "proxy", "-role", "upstream", "-delay", delay.String(),
+		"-prefill-delay", prefillDelay.String(), "-token-interval", gap.String(), "-chunks", strconv.Itoa(chunks))
+	up.Stderr = stderr
+	upIn, err := up.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	upOut, err := up.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := up.Start(); err != nil {
+		return nil, err
+	}
+	upstream := &child{cmd: up, stdin: upIn}
+	defer upstream.stop()
+	var pPort, dPort int
+	line, err := bufio.NewReader(upOut).ReadString('\n')
+	if err != nil {
+		return nil, fmt.Errorf("fake upstreams did not start: %w", err)
+	}
+	if _, err := fmt.Sscanf(line, "%d %d", &pPort, &dPort); err != nil {
+		return nil, fmt.Errorf("fake upstreams said %q: %w", line, err)
+	}
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	proxyPort := ln.Addr().(*net.TCPAddr).Port
+	_ = ln.Close()
+	px := exec.Command(bin, "--host", "127.0.0.1", "--port", strconv.Itoa(proxyPort),
+		"--prefiller-host", "127.0.0.1", "--prefiller-port", strconv.Itoa(pPort),
+		"--decoder-host", "127.0.0.1", "--decoder-port", strconv.Itoa(dPort), "--log-level", "warn")
+	px.Stderr = stderr
+	pxIn, err := px.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := px.Start(); err != nil {
+		return nil, err
+	}
+	proxyProc := &child{cmd: px, stdin: pxIn}
+	defer proxyProc.stop()
+	proxyURL := fmt.Sprintf("http://127.0.0.1:%d", proxyPort)
+	if err := waitHTTP(proxyURL+"/healthcheck", 10*time.Second); err != nil {
+		return nil, fmt.Errorf("gonixl-proxy did not come up: %w", err)
+	}
+	directURL := fmt.Sprintf("http://127.0.0.1:%d/v1/completions", dPort)
+
+	var out []proxyPoint
+	for _, stream := range streams {
+		want := fakeDecodeJSON
+		if stream {
+			want = fakeDecodeSSE(chunks)
+		}
+		reqBody := []byte(`{"model":"m","prompt":"` + strings.Repeat("word ", 64) + `","max_tokens":16,"stream":` +
+			strconv.FormatBool(stream) + `}`)
+		for _, conc := range concs {
+			pt, err := measureProxyPoint(directURL, proxyURL+"/v1/completions", px.Process.Pid, reqBody, want, conc, requests, batch)
+			if err != nil {
+				return nil, fmt.Errorf("delay %v stream=%v c=%d: %w", delay, stream, conc, err)
+			}
+			pt.Delay, pt.Stream = delay.String(), stream
+			out = append(out, pt)
+		}
+	}
+	return out, nil
+}
+
+func waitHTTP(url string, limit time.Duration) error {
+	deadline := time.Now().Add(limit)
+	for {
+		resp, err := http.Get(url)
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return nil
+			}
+			err = fmt.Errorf("HTTP %d", resp.StatusCode)
+		}
+		if time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+type latSample struct{ first, total time.Duration }
+
+func measureProxyPoint(directURL, proxyURL string, proxyPID int, reqBody, want []byte, conc, requests, batch int) (proxyPoint, error) {
+	// Separate client transports so the two kinds of request do not share a
+	// connection-pool lock.
+	newClient := func() *http.Client {
+		return &http.Client{Timeout: time.Minute, Transport: &http.Transport{
+			Proxy: nil, MaxIdleConnsPerHost: 4 * conc, DisableCompression: true}}
+	}
+	directClient, proxyClient := newClient(), newClient()
+	defer directClient.CloseIdleConnections()
+	defer proxyClient.CloseIdleConnections()
+
+	one := func(client *http.Client, url string, tmp []byte) (latSample, error) {
+		start := time.Now()
+		resp, err := client.Post(url, "application/json", bytes.NewReader(reqBody))
+		if err != nil {
+			return latSample{}, err
+		}
+		defer resp.Body.Close()
+		got := make([]byte, 0, len(want))
+		var first time.Duration
+		for {
+			n, rerr := resp.Body.Read(tmp)
+			if n > 0 && first == 0 {
+				first = time.Since(start)
+			}
+			got = append(got, tmp[:n]...)
+			if rerr == io.EOF {
+				break
+			}
+			if rerr != nil {
+				return latSample{}, rerr
+			}
+		}
+		total := time.Since(start)
+		if resp.StatusCode != 200 || !bytes.Equal(got, want) {
+			return latSample{}, fmt.Errorf("status %d, body %.80q", resp.StatusCode, got)
+		}
+		return latSample{first, total}, nil
+	}
+	run := func(client *http.Client, url string, n int) ([]latSample, time.Duration, error) {
+		out := make([]latSample, n)
+		var mu sync.Mutex
+		next := 0
+		var firstErr error
+		var wg sync.WaitGroup
+		start := time.Now()
+		for g := 0; g < conc; g++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				tmp := make([]byte, 4096)
+				for {
+					mu.Lock()
+					k := next
+					next++
+					stop := firstErr != nil
+					mu.Unlock()
+					if k >= n || stop {
+						return
+					}
+					s, err := one(client, url, tmp)
+					if err != nil {
+						mu.Lock()
+						if firstErr == nil {
+							firstErr = err
+						}
+						mu.Unlock()
+						return
+					}
+					out[k] = s
+				}
+			}()
+		}
+		wg.Wait()
+		return out, time.Since(start), firstErr
+	}
+	// Warm up connections and code paths on both routes.
+	for _, u := range []struct {
+		c   *http.Client
+		url string
+	}{{directClient, directURL}, {proxyClient, proxyURL}} {
+		if _, _, err := run(u.c, u.url, 4*conc); err != nil {
+			return proxyPoint{}, fmt.Errorf("warm-up %s: %w", u.url, err)
+		}
+	}
+	var direct, proxied []latSample
+	var dTime, pTime, pCPU time.Duration
+	for done := 0; done < requests; done += batch {
+		n := min(batch, requests-done)
+		d, el, err := run(directClient, directURL, n)
+		if err != nil {
+			return proxyPoint{}, fmt.Errorf("direct: %w", err)
+		}
+		dTime += el
+		c0, _ := cpuTime(proxyPID)
+		p, el, err := run(proxyClient, proxyURL, n)
+		if err != nil {
+			return proxyPoint{}, fmt.Errorf("through the proxy: %w", err)
+		}
+		c1, _ := cpuTime(proxyPID)
+		pTime += el
+		pCPU += c1 - c0
+		direct, proxied = append(direct, d...), append(proxied, p...)
+	}
+	pct := func(s []latSample, first bool, q float64) float64 {
+		ds := make([]time.Duration, len(s))
+		for i, x := range s {
+			ds[i] = x.total
+			if first {
+				ds[i] = x.first
+			}
+		}
+		sort.Slice(ds, func(i, j int) bool { return ds[i] < ds[j] })
+		k := int(q*float64(len(ds))+0.999999) - 1
+		return float64(ds[max(0, min(k, len(ds)-1))]) / 1e3
+	}
+	pt := proxyPoint{Concurrency: conc, Requests: len(proxied)}
+	pt.DirectP50, pt.DirectP99 = pct(direct, false, 0.5), pct(direct, false, 0.99)
+	pt.ProxyP50, pt.ProxyP99 = pct(proxied, false, 0.5), pct(proxied, false, 0.99)
+	pt.AddedP50, pt.AddedP99 = pt.ProxyP50-pt.DirectP50, pt.ProxyP99-pt.DirectP99
+	pt.FirstAdd50 = pct(proxied, true, 0.5) - pct(direct, true, 0.5)
+	pt.FirstAdd99 = pct(proxied, true, 0.99) - pct(direct, true, 0.99)
+	pt.DirectRPS = float64(len(direct)) / dTime.Seconds()
+	pt.ProxyRPS = float64(len(proxied)) / pTime.Seconds()
+	pt.ProxyCPUus = float64(pCPU.Microseconds()) / float64(len(proxied))
+	pt.Met = pt.AddedP50 <= 500 && pt.AddedP99 <= 2000
+	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
+		pt.LoadAverage = strings.Join(strings.Fields(string(b))[:3], " ")
+	}
+	return pt, nil
+}
