@@ -20,6 +20,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -87,32 +88,37 @@ func fakeDecodeSSE(chunks int) []byte {
 func runProxyBench(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("proxy", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	var role, proxyBin, delaysS, concS, streamsS, jsonOut string
+	var role, proxyBin, delaysS, concS, streamsS, jsonOut, proxyEnv string
 	var requests, batch, chunks int
-	var prefillDelay, decodeDelay, tokenGap time.Duration
+	var prefillDelay, tokenGap time.Duration
+	var jitter float64
 	fs.StringVar(&role, "role", "bench", "bench, or upstream (internal: the fake instances)")
 	fs.StringVar(&proxyBin, "proxy-bin", "", "gonixl-proxy binary (default: next to this binary, else $PATH)")
 	fs.StringVar(&delaysS, "delays", "0,5ms,20ms", "fake decode service times before the first byte, one point each")
 	fs.DurationVar(&prefillDelay, "prefill-delay", 0, "fake prefill service time")
 	fs.DurationVar(&tokenGap, "token-interval", 0, "pause between streamed events (inter-token latency)")
+	fs.Float64Var(&jitter, "jitter", 0, "service times vary uniformly by ± this fraction (0: every request takes exactly the delay, so closed-loop clients stay in lockstep)")
 	fs.StringVar(&concS, "concurrency", "1,64", "closed-loop clients, one point each")
 	fs.StringVar(&streamsS, "stream", "false,true", "JSON response (false) and/or server-sent events (true)")
 	fs.IntVar(&requests, "requests", 20000, "requests of each kind (direct, proxied) per point")
 	fs.IntVar(&batch, "batch", 2000, "requests per alternating batch")
 	fs.IntVar(&chunks, "chunks", 16, "events per streamed response")
-	fs.DurationVar(&decodeDelay, "delay", 0, "(upstream role) decode service time")
 	fs.StringVar(&jsonOut, "json", "", "also write the results as JSON to this file")
+	fs.StringVar(&proxyEnv, "proxy-env", "", "extra environment for the proxy process only, comma-separated K=V (e.g. GOMAXPROCS=1)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if role == "upstream" {
-		return serveFakeUpstreams(stdout, prefillDelay, decodeDelay, tokenGap, chunks)
+		return serveFakeUpstreams(stdout, prefillDelay, tokenGap, chunks)
 	}
 	if role != "bench" {
 		return fmt.Errorf("-role %q: want bench or upstream", role)
 	}
 	if requests <= 0 || batch <= 0 || chunks <= 0 {
 		return errors.New("-requests, -batch and -chunks must be positive")
+	}
+	if jitter < 0 || jitter > 1 {
+		return errors.New("-jitter must be within [0, 1]")
 	}
 	bin, err := findProxyBinary(proxyBin)
 	if err != nil {
@@ -148,10 +154,11 @@ func runProxyBench(args []string, stdout, stderr io.Writer) error {
 
 	rep := proxyReport{Command: "gonixl-bench proxy " + strings.Join(args, " "), Proxy: bin, CPUs: runtime.NumCPU()}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(stdout, "gonixl-proxy %s; %d CPUs; %d requests of each kind per point; µs\n", bin, runtime.NumCPU(), requests)
+	fmt.Fprintf(stdout, "gonixl-proxy %s; %d CPUs; %d requests of each kind per point; jitter ±%.0f%%\n", bin, runtime.NumCPU(), requests, jitter*100)
+	fmt.Fprintln(stdout, "µs of latency beyond each request's upstream service time (the decode delay, which the client sets per request)")
 	fmt.Fprintln(tw, "delay\tbody\tc\tdirect p50\tdirect p99\tproxy p50\tproxy p99\tadded p50\tadded p99\t1st byte +p50\t1st byte +p99\tproxy req/s\tproxy CPU µs/req\ttarget\t")
 	for _, d := range delays {
-		pts, err := proxyBenchDelay(bin, d, prefillDelay, tokenGap, chunks, streams, concs, requests, batch, stderr)
+		pts, err := proxyBenchDelay(bin, splitList(proxyEnv), d, prefillDelay, tokenGap, jitter, chunks, streams, concs, requests, batch, stderr)
 		if err != nil {
 			return err
 		}
@@ -217,7 +224,7 @@ func findProxyBinary(flagVal string) (string, error) {
 // serveFakeUpstreams is the upstream role: a fake prefill and a fake decode
 // instance on loopback; it prints "<prefill port> <decode port>" and serves
 // until its stdin closes.
-func serveFakeUpstreams(stdout io.Writer, prefillDelay, decodeDelay, gap time.Duration, chunks int) error {
+func serveFakeUpstreams(stdout io.Writer, prefillDelay, gap time.Duration, chunks int) error {
 	sse := fakeDecodeSSE(chunks)
 	serve := func(delay time.Duration, prefill bool) (net.Listener, error) {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -226,6 +233,9 @@ func serveFakeUpstreams(stdout io.Writer, prefillDelay, decodeDelay, gap time.Du
 		}
 		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			body, _ := io.ReadAll(r.Body)
+			if !prefill {
+				delay = serviceTime(body)
+			}
 			if delay > 0 {
 				time.Sleep(delay)
 			}
@@ -259,13 +269,32 @@ func serveFakeUpstreams(stdout io.Writer, prefillDelay, decodeDelay, gap time.Du
 	if err != nil {
 		return err
 	}
-	dl, err := serve(decodeDelay, false)
+	dl, err := serve(0, false)
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(stdout, "%d %d\n", pl.Addr().(*net.TCPAddr).Port, dl.Addr().(*net.TCPAddr).Port)
 	_, _ = io.Copy(io.Discard, os.Stdin) // the parent closes stdin (or dies)
 	return nil
+}
+
+// serviceTimeKey carries, in each request body, the service time the fake
+// decode instance must take, so the client knows it exactly and reports
+// latency minus service time ("overhead") for both routes.
+const serviceTimeKey = `"bench_service_us":`
+
+func serviceTime(body []byte) time.Duration {
+	i := bytes.Index(body, []byte(serviceTimeKey))
+	if i < 0 {
+		return 0
+	}
+	rest := body[i+len(serviceTimeKey):]
+	n := 0
+	for n < len(rest) && rest[n] >= '0' && rest[n] <= '9' {
+		n++
+	}
+	us, _ := strconv.Atoi(string(rest[:n]))
+	return time.Duration(us) * time.Microsecond
 }
 
 // child is a started helper process.
@@ -307,13 +336,13 @@ func cpuTime(pid int) (time.Duration, error) {
 	return time.Duration(ut+st) * time.Second / 100, nil // USER_HZ is 100 on Linux
 }
 
-func proxyBenchDelay(bin string, delay, prefillDelay, gap time.Duration, chunks int, streams []bool, concs []int,
+func proxyBenchDelay(bin string, env []string, delay, prefillDelay, gap time.Duration, jitter float64, chunks int, streams []bool, concs []int,
 	requests, batch int, stderr io.Writer) ([]proxyPoint, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
-	up := exec.Command(self, "proxy", "-role", "upstream", "-delay", delay.String(),
+	up := exec.Command(self, "proxy", "-role", "upstream",
 		"-prefill-delay", prefillDelay.String(), "-token-interval", gap.String(), "-chunks", strconv.Itoa(chunks))
 	up.Stderr = stderr
 	upIn, err := up.StdinPipe()
@@ -348,6 +377,7 @@ func proxyBenchDelay(bin string, delay, prefillDelay, gap time.Duration, chunks 
 		"--prefiller-host", "127.0.0.1", "--prefiller-port", strconv.Itoa(pPort),
 		"--decoder-host", "127.0.0.1", "--decoder-port", strconv.Itoa(dPort), "--log-level", "warn")
 	px.Stderr = stderr
+	px.Env = append(os.Environ(), env...)
 	pxIn, err := px.StdinPipe()
 	if err != nil {
 		return nil, err
@@ -369,8 +399,21 @@ func proxyBenchDelay(bin string, delay, prefillDelay, gap time.Duration, chunks 
 		if stream {
 			want = fakeDecodeSSE(chunks)
 		}
-		reqBody := []byte(`{"model":"m","prompt":"` + strings.Repeat("word ", 64) + `","max_tokens":16,"stream":` +
-			strconv.FormatBool(stream) + `}`)
+		head := `{"model":"m","prompt":"` + strings.Repeat("word ", 64) + `","max_tokens":16,"stream":` +
+			strconv.FormatBool(stream) + `,` + serviceTimeKey
+		// Request k's service time: the delay, varied by ± jitter with a
+		// fixed sequence, so both routes see the same service times.
+		svc := func(k int) time.Duration {
+			if jitter == 0 {
+				return delay
+			}
+			u := rand.New(rand.NewPCG(uint64(k), 7)).Float64()
+			return time.Duration(float64(delay) * (1 + jitter*(2*u-1)))
+		}
+		reqBody := func(k int) ([]byte, time.Duration) {
+			d := svc(k)
+			return []byte(head + strconv.FormatInt(d.Microseconds(), 10) + `}`), d.Truncate(time.Microsecond)
+		}
 		for _, conc := range concs {
 			pt, err := measureProxyPoint(directURL, proxyURL+"/v1/completions", px.Process.Pid, reqBody, want, conc, requests, batch)
 			if err != nil {
@@ -403,7 +446,8 @@ func waitHTTP(url string, limit time.Duration) error {
 
 type latSample struct{ first, total time.Duration }
 
-func measureProxyPoint(directURL, proxyURL string, proxyPID int, reqBody, want []byte, conc, requests, batch int) (proxyPoint, error) {
+func measureProxyPoint(directURL, proxyURL string, proxyPID int, reqBody func(int) ([]byte, time.Duration), want []byte,
+	conc, requests, batch int) (proxyPoint, error) {
 	// Separate client transports so the two kinds of request do not share a
 	// connection-pool lock.
 	newClient := func() *http.Client {
@@ -414,9 +458,10 @@ func measureProxyPoint(directURL, proxyURL string, proxyPID int, reqBody, want [
 	defer directClient.CloseIdleConnections()
 	defer proxyClient.CloseIdleConnections()
 
-	one := func(client *http.Client, url string, tmp []byte) (latSample, error) {
+	one := func(client *http.Client, url string, k int, tmp []byte) (latSample, error) {
+		body, svc := reqBody(k)
 		start := time.Now()
-		resp, err := client.Post(url, "application/json", bytes.NewReader(reqBody))
+		resp, err := client.Post(url, "application/json", bytes.NewReader(body))
 		if err != nil {
 			return latSample{}, err
 		}
@@ -440,9 +485,9 @@ func measureProxyPoint(directURL, proxyURL string, proxyPID int, reqBody, want [
 		if resp.StatusCode != 200 || !bytes.Equal(got, want) {
 			return latSample{}, fmt.Errorf("status %d, body %.80q", resp.StatusCode, got)
 		}
-		return latSample{first, total}, nil
+		return latSample{first - svc, total - svc}, nil
 	}
-	run := func(client *http.Client, url string, n int) ([]latSample, time.Duration, error) {
+	run := func(client *http.Client, url string, base, n int) ([]latSample, time.Duration, error) {
 		out := make([]latSample, n)
 		var mu sync.Mutex
 		next := 0
@@ -463,7 +508,7 @@ func measureProxyPoint(directURL, proxyURL string, proxyPID int, reqBody, want [
 					if k >= n || stop {
 						return
 					}
-					s, err := one(client, url, tmp)
+					s, err := one(client, url, base+k, tmp)
 					if err != nil {
 						mu.Lock()
 						if firstErr == nil {
@@ -484,7 +529,7 @@ func measureProxyPoint(directURL, proxyURL string, proxyPID int, reqBody, want [
 		c   *http.Client
 		url string
 	}{{directClient, directURL}, {proxyClient, proxyURL}} {
-		if _, _, err := run(u.c, u.url, 4*conc); err != nil {
+		if _, _, err := run(u.c, u.url, 1<<30, 4*conc); err != nil {
 			return proxyPoint{}, fmt.Errorf("warm-up %s: %w", u.url, err)
 		}
 	}
@@ -492,13 +537,13 @@ func measureProxyPoint(directURL, proxyURL string, proxyPID int, reqBody, want [
 	var dTime, pTime, pCPU time.Duration
 	for done := 0; done < requests; done += batch {
 		n := min(batch, requests-done)
-		d, el, err := run(directClient, directURL, n)
+		d, el, err := run(directClient, directURL, done, n)
 		if err != nil {
 			return proxyPoint{}, fmt.Errorf("direct: %w", err)
 		}
 		dTime += el
 		c0, _ := cpuTime(proxyPID)
-		p, el, err := run(proxyClient, proxyURL, n)
+		p, el, err := run(proxyClient, proxyURL, done, n)
 		if err != nil {
 			return proxyPoint{}, fmt.Errorf("through the proxy: %w", err)
 		}
