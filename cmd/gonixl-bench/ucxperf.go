@@ -45,6 +45,13 @@ type perfRow struct {
 	RatioMemcpy    float64 `json:"ratio_memcpy"`
 	PerftestIters  int     `json:"perftest_iters"`
 	PerftestErrMsg string  `json:"perftest_error,omitempty"`
+	// ucx_perftest on memory UCX did not allocate (UCX_ALLOC_PRIO=heap:
+	// malloc-ed, as torch's CPU tensors and so vLLM's KV cache are), i.e.
+	// the memory kind gonixl is given.
+	PerftestAnonGBps  float64 `json:"perftest_anon_gbps"`
+	RatioPerftestAnon float64 `json:"ratio_perftest_anon"`
+	PerftestAnonIters int     `json:"perftest_anon_iters"`
+	PerftestAnonErr   string  `json:"perftest_anon_error,omitempty"`
 }
 
 type perfReport struct {
@@ -194,6 +201,21 @@ func ucxPerfCompare(stderr io.Writer, ops []nixl.XferOp, blocks []int, batch, ca
 			if row.PerftestGBps > 0 {
 				row.RatioPerftest = row.GonixlGBps / row.PerftestGBps
 			}
+			// The same test on malloc-ed memory. UCX 1.13 serves it by
+			// software emulation, one active-message round trip per
+			// fragment answered by the server's progress, so it is slow:
+			// fewer iterations.
+			row.PerftestAnonIters = max(200, min(2000, iters/64))
+			anonEnv := append(append([]string(nil), ptEnv...), "UCX_ALLOC_PRIO=heap")
+			row.PerftestAnonGBps, err = runPerftest(ptBin, anonEnv, op, blk, row.PerftestAnonIters, errMode == "peer")
+			if err != nil {
+				row.PerftestAnonErr = err.Error()
+				fmt.Fprintf(stderr, "ucx_perftest (malloc-ed memory) %s %d: %v\n", name, blk, err)
+				err = nil
+			}
+			if row.PerftestAnonGBps > 0 {
+				row.RatioPerftestAnon = row.GonixlGBps / row.PerftestAnonGBps
+			}
 			if row.MemcpyGBps > 0 {
 				row.RatioMemcpy = row.GonixlGBps / row.MemcpyGBps
 			}
@@ -206,18 +228,26 @@ func ucxPerfCompare(stderr io.Writer, ops []nixl.XferOp, blocks []int, batch, ca
 func printPerf(w io.Writer, rep *perfReport) {
 	fmt.Fprintf(w, "\n== gonixl-ucx vs ucx_perftest vs memcpy (GB/s = 1e9 B/s; memcpy on one core, 64 MiB copy: %.2f GB/s)\n", rep.MemcpyBigGBs)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "op\tblock\tbatch\tgonixl-ucx\tucx_perftest\tratio\tmemcpy\tratio\ttargets (≥0.9× perftest from 32KiB, ≥0.5× memcpy)\t")
+	fmt.Fprintln(w, "ucx_perftest: its own UCX-allocated (shared) memory; ucx_perftest malloc: UCX_ALLOC_PRIO=heap, the kind of memory vLLM hands gonixl")
+	fmt.Fprintln(tw, "op\tblock\tbatch\tgonixl-ucx\tucx_perftest\tratio\tucx_perftest malloc\tratio\tmemcpy\tratio\ttargets (≥0.9× perftest from 32KiB, ≥0.5× memcpy)\t")
 	for _, r := range rep.Rows {
-		pt, ratio := "-", "-"
+		pt, ratio, pta, ratioA := "-", "-", "-", "-"
 		if r.PerftestGBps > 0 {
 			pt, ratio = fmt.Sprintf("%.3f", r.PerftestGBps), fmt.Sprintf("%.2f", r.RatioPerftest)
+		}
+		if r.PerftestAnonGBps > 0 {
+			pta, ratioA = fmt.Sprintf("%.3f", r.PerftestAnonGBps), fmt.Sprintf("%.2f", r.RatioPerftestAnon)
 		}
 		var verdict []string
 		if r.Block >= 32<<10 && r.PerftestGBps > 0 {
 			verdict = append(verdict, map[bool]string{true: "perftest ok", false: "perftest MISSED"}[r.RatioPerftest >= 0.9])
 		}
+		if r.Block >= 32<<10 && r.PerftestAnonGBps > 0 {
+			verdict = append(verdict, map[bool]string{true: "perftest-malloc ok", false: "perftest-malloc MISSED"}[r.RatioPerftestAnon >= 0.9])
+		}
 		verdict = append(verdict, map[bool]string{true: "memcpy ok", false: "memcpy MISSED"}[r.RatioMemcpy >= 0.5])
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%.3f\t%s\t%s\t%.3f\t%.2f\t%s\t\n", r.Op, sizeStr(r.Block), r.Batch, r.GonixlGBps, pt, ratio, r.MemcpyGBps, r.RatioMemcpy, strings.Join(verdict, ", "))
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%.3f\t%s\t%s\t%s\t%s\t%.3f\t%.2f\t%s\t\n", r.Op, sizeStr(r.Block), r.Batch, r.GonixlGBps, pt, ratio, pta, ratioA,
+			r.MemcpyGBps, r.RatioMemcpy, strings.Join(verdict, ", "))
 	}
 	tw.Flush()
 }
