@@ -17,8 +17,12 @@ import (
 // TestMain lets the test binary serve as the benchmark's target process
 // ("<binary> transfer -role target ...").
 func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && os.Args[1] == "transfer" {
-		if err := runTransfer(os.Args[2:], os.Stdout, os.Stderr); err != nil {
+	if len(os.Args) > 1 && (os.Args[1] == "transfer" || os.Args[1] == "proxy") {
+		run := runTransfer
+		if os.Args[1] == "proxy" {
+			run = runProxyBench
+		}
+		if err := run(os.Args[2:], os.Stdout, os.Stderr); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(1)
 		}
