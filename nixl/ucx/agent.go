@@ -34,8 +34,9 @@ const (
 
 type localRegion struct {
 	nixl.Region
-	memh uint32 // index into agent.memhs
-	rkey []byte // packed rkey, published in the metadata
+	memh uint32    // index into agent.memhs
+	rkey []byte    // packed rkey, published in the metadata
+	shm  *shmLocal // data path shm: the interior re-backed by a memfd
 }
 
 type remoteRegion struct {
@@ -60,6 +61,13 @@ type peer struct {
 	deadWhy  string
 	noCMA    bool       // the kernel denied cross-memory attach to this peer
 	md       []mdRegion // regions as last loaded, to recognise a reload
+
+	// Data path shm: the peer's shared regions mapped here (by rkey index,
+	// nil where not mapped), a pidfd of its process (-1 if none), and why
+	// a region could not be mapped.
+	shm    []*shmRemote
+	pidfd  C.int
+	shmWhy string
 }
 
 func sameRegions(a, b []mdRegion) bool {
@@ -69,6 +77,9 @@ func sameRegions(a, b []mdRegion) bool {
 	for i := range a {
 		x, y := a[i], b[i]
 		if x.Mem != y.Mem || x.Addr != y.Addr || x.Len != y.Len || x.DevID != y.DevID || !bytes.Equal(x.Rkey, y.Rkey) {
+			return false
+		}
+		if (x.Shm == nil) != (y.Shm == nil) || (x.Shm != nil && *x.Shm != *y.Shm) {
 			return false
 		}
 	}
@@ -93,7 +104,12 @@ type agent struct {
 	set       settings
 	telemetry bool
 
-	mu        sync.Mutex
+	mu sync.Mutex
+	// copyMu is held for reading by a shm post while it copies outside mu,
+	// and for writing (with mu) by whatever unmaps a peer's regions or
+	// restores local ones.
+	copyMu    sync.RWMutex
+	shmWhy    string // why a local region was not shared (the first reason)
 	c         *C.gx_agent
 	closing   bool
 	closed    bool
@@ -171,7 +187,9 @@ func (a *agent) Info() string {
 	if a.prog != nil {
 		prog = "progress thread"
 	}
-	return fmt.Sprintf("%s; agent %s: %s, %s", theEngine.Info(), a.name, a.set, prog)
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return fmt.Sprintf("%s; agent %s: %s, %s%s", theEngine.Info(), a.name, a.set, prog, a.shmSummary())
 }
 
 // EndpointInfo returns UCX's description (ucp_ep_print_info) of the first
@@ -230,24 +248,42 @@ func (a *agent) RegisterMem(mem nixl.MemType, regions []nixl.Region) error {
 	if err := a.checkOpen(op); err != nil {
 		return err
 	}
+	var maps []vma
+	if a.set.shm {
+		var err error
+		if maps, err = readMaps(); err != nil && a.shmWhy == "" {
+			a.shmWhy = "reading /proc/self/maps: " + err.Error()
+		}
+	}
 	var done []*localRegion
 	for _, r := range regions {
 		if a.findExact(mem, r) >= 0 {
 			a.rollback(done)
 			return nixl.Errorf(nixl.ErrInvalidParam, op, "region %#x+%d dev %d is already registered", r.Addr, r.Len, r.DevID)
 		}
+		// Re-back before UCX sees the memory, so it never registers the
+		// pages being replaced.
+		var sh *shmLocal
+		if maps != nil {
+			var why string
+			if sh, why = share(r, maps); sh == nil && a.shmWhy == "" {
+				a.shmWhy = fmt.Sprintf("region %#x+%d: %s", r.Addr, r.Len, why)
+			}
+		}
 		var memh C.ucp_mem_h
 		var rk unsafe.Pointer
 		var rkLen C.size_t
 		rc := C.gx_mem_map(a.c, C.uint64_t(r.Addr), C.uint64_t(r.Len), &memh, &rk, &rkLen)
 		if rc != 0 {
+			_ = unshare(sh)
 			a.rollback(done)
 			return rcError(rc, op, fmt.Sprintf("ucp_mem_map(%#x, %d)", r.Addr, r.Len))
 		}
-		lr := &localRegion{Region: r, memh: uint32(len(a.memhs)), rkey: C.GoBytes(rk, C.int(rkLen))}
+		lr := &localRegion{Region: r, memh: uint32(len(a.memhs)), rkey: C.GoBytes(rk, C.int(rkLen)), shm: sh}
 		C.free(rk)
 		if len(lr.rkey) == 0 || len(lr.rkey) > maxRkeyLen {
 			C.gx_mem_unmap(a.c, memh)
+			_ = unshare(sh)
 			a.rollback(done)
 			return nixl.Errorf(nixl.ErrBackend, op, "packed rkey of %d bytes", len(lr.rkey))
 		}
@@ -265,7 +301,21 @@ func (a *agent) rollback(done []*localRegion) {
 		a.removeLocal(nixl.DRAM, lr)
 		C.gx_mem_unmap(a.c, a.memhs[lr.memh])
 		a.memhs[lr.memh] = nil
+		_ = a.unshareLocal(lr)
 	}
+}
+
+// unshareLocal gives a deregistered region's memory back as private
+// memory (data path shm), with no copy running.
+func (a *agent) unshareLocal(lr *localRegion) error {
+	if lr.shm == nil {
+		return nil
+	}
+	a.copyMu.Lock()
+	defer a.copyMu.Unlock()
+	err := unshare(lr.shm)
+	lr.shm = nil
+	return err
 }
 
 func (a *agent) insertLocal(mem nixl.MemType, lr *localRegion) {
@@ -321,6 +371,9 @@ func (a *agent) DeregisterMem(mem nixl.MemType, regions []nixl.Region) error {
 			last = rcError(rc, op, "ucp_mem_unmap")
 		}
 		a.memhs[lr.memh] = nil
+		if err := a.unshareLocal(lr); err != nil {
+			last = &nixl.Error{Status: nixl.ErrBackend, Op: op, Msg: err.Error()}
+		}
 	}
 	a.localGen++
 	return last
@@ -350,7 +403,11 @@ func (a *agent) localMetadataLocked() ([]byte, error) {
 	sort.Ints(mems)
 	for _, mem := range mems {
 		for _, lr := range a.regions[nixl.MemType(mem)] {
-			m.Regions = append(m.Regions, mdRegion{Mem: nixl.MemType(mem), Addr: lr.Addr, Len: lr.Len, DevID: lr.DevID, Rkey: lr.rkey})
+			g := mdRegion{Mem: nixl.MemType(mem), Addr: lr.Addr, Len: lr.Len, DevID: lr.DevID, Rkey: lr.rkey}
+			if lr.shm != nil {
+				g.Shm = lr.shm.md()
+			}
+			m.Regions = append(m.Regions, g)
 		}
 	}
 	b, err := m.encode()
@@ -434,7 +491,7 @@ func (a *agent) loadLocked(m *metadata) error {
 				m.Name, msg, ParamErrMode)
 		}
 		C.free(unsafe.Pointer(errBuf))
-		p = &peer{name: m.Name, addr: m.Address, ep: ep, proc: m.Proc, local: sameHost(m.Proc)}
+		p = &peer{name: m.Name, addr: m.Address, ep: ep, proc: m.Proc, local: sameHost(m.Proc), pidfd: -1}
 		if a.epInfo == "" {
 			if s := C.gx_ep_info(ep); s != nil {
 				a.epInfo = fmt.Sprintf("ucx endpoint %s -> %s (error handling %s, setting %s):\n%s", a.name, m.Name, modeName, a.set.errMode, strings.TrimRight(C.GoString(s), "\n"))
@@ -475,6 +532,13 @@ func (a *agent) loadLocked(m *metadata) error {
 	p.rkeys = rkeys
 	p.regions = regions
 	p.md = m.Regions
+	if a.set.shm && p.local {
+		a.copyMu.Lock()
+		detachShm(p)
+		p.shmWhy = ""
+		attachShm(p, m.Regions)
+		a.copyMu.Unlock()
+	}
 	a.gen++
 	p.gen = a.gen
 	a.peers[m.Name] = p
@@ -504,6 +568,10 @@ func (a *agent) teardownPeer(p *peer) {
 		a.destroyRkeys(p.retired)
 	}
 	p.rkeys, p.retired, p.regions = nil, nil, nil
+	a.copyMu.Lock()
+	detachShm(p)
+	a.copyMu.Unlock()
+	p.closePidfd()
 	C.gx_ep_close(a.c, p.ep, force, closeTimeoutMs)
 	// Transfers may still hold the gx_ep; it is freed with the agent.
 	a.graveyard = append(a.graveyard, p.ep)
@@ -696,6 +764,9 @@ func (a *agent) MakeXfer(xop nixl.XferOp, local nixl.DescList, localIdx []int32,
 	}
 	ops = coalesce(ops)
 	x := &xfer{a: a, op: xop, peer: rl.peer, gen: rl.gen, ops: ops, bytes: total, descs: len(localIdx)}
+	if a.set.shm && rl.peer.shm != nil {
+		x.shmOps, x.cmaOps, x.ctls = splitShm(ops, rl.peer.shm)
+	}
 	x.c = C.gx_xfer_new()
 	if x.c == nil {
 		return nil, nixl.Errorf(nixl.ErrBackend, fn, "out of memory")
@@ -807,6 +878,11 @@ func (a *agent) Close() error {
 		if m != nil {
 			C.gx_mem_unmap(a.c, m)
 			a.memhs[i] = nil
+		}
+	}
+	for _, rs := range a.regions {
+		for _, lr := range rs {
+			_ = a.unshareLocal(lr)
 		}
 	}
 	a.regions = nil

@@ -22,11 +22,15 @@ const (
 	ParamEngineConfig = "engine_config"
 	// ParamDevices: comma-separated device list, applied as NET_DEVICES.
 	ParamDevices = "device_list"
-	// ParamDataPath: "ucp" (default: ucp_get_nbx/ucp_put_nbx) or "cma":
-	// for a peer on this host (same boot and pid namespace), move the data
-	// with process_vm_readv/writev (one syscall per 512 operations) and use
-	// UCX only for the notification. Falls back to ucp per peer when the
-	// kernel denies cross-memory attach.
+	// ParamDataPath: "ucp" (default: ucp_get_nbx/ucp_put_nbx), "cma" or
+	// "shm". cma: for a peer on this host (same boot and pid namespace),
+	// move the data with process_vm_readv/writev (one syscall per 512
+	// operations) and use UCX only for the notification. shm: as cma, and
+	// in addition RegisterMem re-backs each region's page-aligned interior
+	// with a sealed memfd (same addresses and contents) that same-host
+	// peers map, so a READ or WRITE of it is a memcpy (see shm.go); both
+	// sides should set it. Both fall back to ucp per peer when the kernel
+	// denies cross-memory attach.
 	ParamDataPath = "data_path"
 	// EnvDataPath sets the data path when the backend parameters do not.
 	EnvDataPath = "GONIXL_UCX_DATA_PATH"
@@ -48,7 +52,8 @@ type settings struct {
 	errMode  string // "auto", "peer" or "none", for Info
 	errFrom  string // where errMode came from
 	ucxCfg   []string
-	cma      bool // data path "cma" for same-host peers
+	cma      bool // data path "cma" or "shm" for same-host peers
+	shm      bool // data path "shm": regions shared, peers' regions mapped
 }
 
 // resolveSettings validates the agent config for this engine. env is
@@ -104,8 +109,10 @@ func resolveSettings(cfg nixl.AgentConfig, env func(string) string) (settings, e
 	case "", "ucp":
 	case "cma":
 		s.cma = true
+	case "shm":
+		s.cma, s.shm = true, true
 	default:
-		return s, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "%s=%q: want ucp or cma", ParamDataPath, dp)
+		return s, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "%s=%q: want ucp, cma or shm", ParamDataPath, dp)
 	}
 
 	// NIXL's default: no rendezvous for active messages (notifications),
@@ -158,7 +165,10 @@ func resolveSettings(cfg nixl.AgentConfig, env func(string) string) (settings, e
 
 func (s settings) String() string {
 	dp := "ucp"
-	if s.cma {
+	switch {
+	case s.shm:
+		dp = "shm (shared memory, cma for the rest) for same-host peers"
+	case s.cma:
 		dp = "cma for same-host peers"
 	}
 	return fmt.Sprintf("error handling %s (%s), data path %s", s.errMode, s.errFrom, dp)

@@ -18,6 +18,8 @@ func TestConformance(t *testing.T) {
 		{"shm-none", "sm,self", "none", "ucp"},
 		{"posix-cma-none", "posix,cma,self", "none", "ucp"},
 		{"datapath-cma", "sm,self", "none", "cma"},
+		{"datapath-shm", "sm,self", "none", "shm"},
+		{"datapath-shm-tcp-peer", "tcp", "peer", "shm"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Setenv("UCX_TLS", c.tls)

@@ -141,6 +141,8 @@ const char *gx_status_string(int status)
         return "endpoint closed";
     case GX_ERR_CMA_DENIED:
         return "cross-memory attach denied";
+    case GX_ERR_SHM_REVOKED:
+        return "remote region was deregistered by its owner";
     }
     return G.status_string((ucs_status_t)status);
 }

@@ -161,4 +161,55 @@ void gx_xfer_free(gx_agent *a, gx_xfer *x);
 /* Fire-and-forget notification (buf is copied). */
 int gx_send_notif(gx_agent *a, gx_ep *e, const void *buf, size_t len);
 
+/* ---- same-host shared-memory data path (gxshm.c) ---------------------------
+ *
+ * The owner of a registered region re-backs its page-aligned interior with a
+ * sealed memfd (same addresses, same contents); a peer on the same host opens
+ * the memfd through /proc/<pid>/fd/<fd>, maps it, and a READ or WRITE becomes
+ * a memcpy. Page 0 of the memfd is a control page; the data follows it. */
+#define GX_ERR_SHM_REVOKED (-1005)
+#define GX_SHM_MAGIC 0x314d48534c584e47ull /* "GNXLSHM1" */
+enum { GX_SHM_ACTIVE = 1, GX_SHM_REVOKED = 2 };
+
+typedef struct gx_shm_ctl {
+    uint64_t magic;
+    uint64_t token;    /* random, also in the metadata */
+    uint64_t len;      /* data bytes after this page */
+    uint32_t state;    /* GX_SHM_ACTIVE until the owner deregisters */
+} gx_shm_ctl;
+
+typedef struct gx_shm_local {
+    int fd;
+    uint64_t ino, dev;
+    gx_shm_ctl *ctl;
+} gx_shm_local;
+
+size_t gx_page_size(void);
+/* Re-backs [base, base+len) (page aligned, private anonymous memory the
+ * caller checked) with a new sealed memfd, chunk bytes at a time, keeping
+ * every byte. On failure the range is private memory again with its
+ * contents, err says why, and -1 is returned. */
+int gx_shm_share(uint64_t base, uint64_t len, uint64_t token, size_t chunk, gx_shm_local *out,
+                 char *err, size_t errlen);
+/* Marks the region revoked: peers fail transfers that touch it. */
+void gx_shm_revoke(gx_shm_local *l);
+/* Revokes; with restore, maps private anonymous memory back over the range
+ * with the same contents (holes stay unpopulated) and frees the file's
+ * pages; then closes the memfd. */
+void gx_shm_unshare(gx_shm_local *l, uint64_t base, uint64_t len, size_t chunk, int restore);
+/* Peer side: opens /proc/pid/fd/fd, checks inode, device, size, seals and
+ * the control page against the metadata, maps control page + data. */
+int gx_shm_attach(int pid, int fd, uint64_t ino, uint64_t dev, uint64_t len, uint64_t token,
+                  void **map, char *err, size_t errlen);
+void gx_shm_detach(void *map, uint64_t len);
+/* pidfd of a process (-1 when the kernel has none); whether it exited. */
+int gx_pidfd_open(int pid);
+int gx_pidfd_exited(int pidfd);
+/* Moves shm ops (raddr already translated into the peer mapping) with
+ * memcpy and cma ops with gx_cma against pid, checking before and after
+ * that every control page in ctls is active and that the owner lives.
+ * Returns 0, GX_ERR_SHM_REVOKED, GX_ERR_EP_FAILED or gx_cma's errors. */
+int gx_shm_post(int pid, int pidfd, int op, const gx_iov *shm, size_t nshm, const gx_iov *cma,
+                size_t ncma, void *const *ctls, size_t nctl);
+
 #endif

@@ -9,7 +9,7 @@ import (
 	"github.com/gonixl/gonixl/nixl"
 )
 
-// Metadata wire format (little endian), version 1:
+// Metadata wire format (little endian), version 2:
 //
 //	magic    8 bytes  "GXUCXMD\x00"
 //	version  u16      1
@@ -22,16 +22,22 @@ import (
 //	pid      u32      writer's process id
 //	start    u64      writer's start time (field 22 of /proc/self/stat)
 //	regions  u32 count (0..maxRegions), then per region:
-//	           mem u32, addr u64, len u64, devId u64, rkey u16 n, n bytes (1..maxRkeyLen)
+//	           mem u32, addr u64, len u64, devId u64, rkey u16 n, n bytes (1..maxRkeyLen),
+//	           shm u8 (0 or 1; version 2 only), and when 1: fd u32, inode u64,
+//	           device u64, token u64, base u64, length u64 (the region's
+//	           page-aligned interior that the writer re-backed with a memfd,
+//	           see shm.go)
 //	crc      u32      CRC-32C of every byte before it
 //
+// A reader accepts versions 1 (no shm byte) and 2.
 // Nothing may follow the checksum. The worker address and rkeys are parsed
 // by UCX itself, which trusts their inner lengths; the checksum keeps a
 // truncated or corrupted blob from ever reaching it. A reader checks every length against
 // what remains before it reads, so a truncated or garbage blob is an error.
 const (
 	mdMagic    = "GXUCXMD\x00"
-	mdVersion  = 1
+	mdVersion  = 2
+	mdOldest   = 1    // oldest version this build reads
 	maxNameLen = 1024 // also the C side's GX_MAX_NAME
 	maxAddrLen = 1 << 20
 	maxRegions = 1 << 20
@@ -62,7 +68,19 @@ type mdRegion struct {
 	Len   uint64
 	DevID uint64
 	Rkey  []byte
+	Shm   *mdShm // nil: not shared
 }
+
+// mdShm locates the memfd behind a region's page-aligned interior
+// [Base, Base+Len) in the writer's process.
+type mdShm struct {
+	Fd        uint32
+	Ino, Dev  uint64
+	Token     uint64
+	Base, Len uint64
+}
+
+const mdShmBytes = 4 + 8*5
 
 func (m *metadata) encode() ([]byte, error) {
 	if len(m.Name) == 0 || len(m.Name) > maxNameLen {
@@ -82,7 +100,10 @@ func (m *metadata) encode() ([]byte, error) {
 		if len(r.Rkey) == 0 || len(r.Rkey) > maxRkeyLen {
 			return nil, fmt.Errorf("rkey length %d outside 1..%d", len(r.Rkey), maxRkeyLen)
 		}
-		size += 4 + 8 + 8 + 8 + 2 + len(r.Rkey)
+		size += 4 + 8 + 8 + 8 + 2 + len(r.Rkey) + 1
+		if r.Shm != nil {
+			size += mdShmBytes
+		}
 	}
 	b := make([]byte, 0, size)
 	b = append(b, mdMagic...)
@@ -106,6 +127,17 @@ func (m *metadata) encode() ([]byte, error) {
 		b = binary.LittleEndian.AppendUint64(b, r.DevID)
 		b = binary.LittleEndian.AppendUint16(b, uint16(len(r.Rkey)))
 		b = append(b, r.Rkey...)
+		if r.Shm == nil {
+			b = append(b, 0)
+			continue
+		}
+		b = append(b, 1)
+		b = binary.LittleEndian.AppendUint32(b, r.Shm.Fd)
+		b = binary.LittleEndian.AppendUint64(b, r.Shm.Ino)
+		b = binary.LittleEndian.AppendUint64(b, r.Shm.Dev)
+		b = binary.LittleEndian.AppendUint64(b, r.Shm.Token)
+		b = binary.LittleEndian.AppendUint64(b, r.Shm.Base)
+		b = binary.LittleEndian.AppendUint64(b, r.Shm.Len)
 	}
 	b = binary.LittleEndian.AppendUint32(b, crc32.Checksum(b, castagnoli))
 	return b, nil
@@ -161,8 +193,8 @@ func decodeMetadata(b []byte) (*metadata, error) {
 		return nil, fmt.Errorf("not gonixl ucx-engine metadata (bad magic; is the peer using another transfer engine?)")
 	}
 	if len(b) >= len(mdMagic)+2 {
-		if ver := binary.LittleEndian.Uint16(b[len(mdMagic):]); ver != mdVersion {
-			return nil, fmt.Errorf("metadata version %d, this build reads version %d", ver, mdVersion)
+		if ver := binary.LittleEndian.Uint16(b[len(mdMagic):]); ver < mdOldest || ver > mdVersion {
+			return nil, fmt.Errorf("metadata version %d, this build reads versions %d to %d", ver, mdOldest, mdVersion)
 		}
 	}
 	if len(b) < len(mdMagic)+2+4 {
@@ -175,7 +207,7 @@ func decodeMetadata(b []byte) (*metadata, error) {
 	b = body
 	r := &reader{b: b}
 	r.take(len(mdMagic), "magic")
-	r.u16("version")
+	version := r.u16("version")
 	r.u16("flags")
 	m := &metadata{}
 	m.UCXVersion = r.u32("ucx version")
@@ -228,6 +260,18 @@ func decodeMetadata(b []byte) (*metadata, error) {
 			return nil, fmt.Errorf("region %d: rkey length %d outside 1..%d", i, kl, maxRkeyLen)
 		}
 		g.Rkey = append([]byte(nil), r.take(kl, "rkey")...)
+		if version >= 2 {
+			if f := r.take(1, "shm flag"); f != nil && f[0] > 1 {
+				return nil, fmt.Errorf("region %d: shm flag %d", i, f[0])
+			} else if f != nil && f[0] == 1 {
+				sh := &mdShm{Fd: r.u32("shm fd"), Ino: r.u64("shm inode"), Dev: r.u64("shm device"),
+					Token: r.u64("shm token"), Base: r.u64("shm base"), Len: r.u64("shm length")}
+				if r.err == nil && (sh.Len == 0 || sh.Base < g.Addr || sh.Base+sh.Len < sh.Base || sh.Base+sh.Len > g.Addr+g.Len) {
+					return nil, fmt.Errorf("region %d: shared range %#x+%d outside the region %#x+%d", i, sh.Base, sh.Len, g.Addr, g.Len)
+				}
+				g.Shm = sh
+			}
+		}
 		m.Regions = append(m.Regions, g)
 	}
 	if r.err != nil {

@@ -49,11 +49,7 @@ func runChild() error {
 		return err
 	}
 	mode := os.Getenv(envChild)
-	params := map[string]string{ParamErrMode: mode}
-	if mode == "cma" {
-		params = map[string]string{ParamErrMode: "none", ParamDataPath: "cma"}
-	}
-	a, err := e.NewAgent(nixl.AgentConfig{Name: "child", BackendParams: map[string]map[string]string{"UCX": params}})
+	a, err := e.NewAgent(nixl.AgentConfig{Name: "child", BackendParams: map[string]map[string]string{"UCX": modeParams(mode)}})
 	if err != nil {
 		return err
 	}
@@ -100,6 +96,15 @@ func runChild() error {
 		a.GetNotifs()
 		time.Sleep(100 * time.Microsecond)
 	}
+}
+
+// modeParams maps a child mode to backend parameters: an error-handling
+// mode, or a data path ("cma", "shm") with error handling none.
+func modeParams(mode string) map[string]string {
+	if mode == "cma" || mode == "shm" {
+		return map[string]string{ParamErrMode: "none", ParamDataPath: mode}
+	}
+	return map[string]string{ParamErrMode: mode}
 }
 
 type child struct {
@@ -190,27 +195,26 @@ func remoteBase(t *testing.T, md []byte) uint64 {
 // in flight: the transfer must end in ERR_REMOTE_DISCONNECT within a bounded
 // time, and a restarted peer with the same name must be usable afterwards.
 // In "peer" mode UCX reports the failure; in "none" mode the engine's
-// same-host /proc check does.
+// same-host /proc check does; with data path shm, the peer's pidfd.
 func TestPeerKilledMidTransfer(t *testing.T) {
 	requireUCX(t)
-	for _, mode := range []string{"peer", "none", "cma"} {
+	for _, mode := range []string{"peer", "none", "cma", "shm"} {
 		t.Run(mode, func(t *testing.T) { peerKilled(t, mode) })
 	}
 }
 
 func peerKilled(t *testing.T, mode string) {
 	dst := mmapBuf(t, 64<<20)
-	params := map[string]string{ParamErrMode: mode}
-	if mode == "cma" {
-		params = map[string]string{ParamErrMode: "none", ParamDataPath: "cma"}
-	}
-	a := newAgent(t, "parent", params, false)
+	a := newAgent(t, "parent", modeParams(mode), false)
 	if err := a.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(dst), Len: uint64(len(dst))}}); err != nil {
 		t.Fatal(err)
 	}
 	c := startChild(t, mode, a)
 	if _, err := a.LoadRemoteMetadata(c.md); err != nil {
 		t.Fatal(err)
+	}
+	if mode == "shm" {
+		requireShmPeer(t, a, "child")
 	}
 	x := readAll(t, a, dst, remoteBase(t, c.md))
 	// One full transfer first, so the kill below hits a working path.
@@ -256,6 +260,9 @@ func peerKilled(t *testing.T, mode string) {
 	c2 := startChild(t, mode, a)
 	if _, err := a.LoadRemoteMetadata(c2.md); err != nil {
 		t.Fatalf("reload restarted peer: %v", err)
+	}
+	if mode == "shm" {
+		requireShmPeer(t, a, "child")
 	}
 	x2 := readAll(t, a, dst, remoteBase(t, c2.md))
 	if _, err := x2.Post(); err != nil {

@@ -191,6 +191,7 @@ const (
 	gxErrEpFailed     = -1002
 	gxErrEpClosed     = -1003
 	gxErrCMADenied    = -1004
+	gxErrShmRevoked   = -1005
 )
 
 // statusOf maps a gxucx return code to NIXL's status, as NIXL's UCX plugin

@@ -18,13 +18,18 @@ import (
 // xfer is a prepared transfer. Its C state (gx_xfer) holds the in-flight
 // UCX requests; all access goes through the agent's mutex.
 type xfer struct {
-	a     *agent
-	op    nixl.XferOp
-	peer  *peer
-	gen   uint64
-	ops   []op // coalesced; crosses into C as a gx_iov array
-	bytes uint64
-	descs int // descriptor pairs before coalescing
+	a    *agent
+	op   nixl.XferOp
+	peer *peer
+	gen  uint64
+	ops  []op // coalesced; crosses into C as a gx_iov array
+	// With data path shm and a peer whose regions are mapped here: ops
+	// split into memcpy parts (remote address inside the mapping) and CMA
+	// parts, and the peer control pages they depend on (nil otherwise).
+	shmOps, cmaOps []op
+	ctls           []unsafe.Pointer
+	bytes          uint64
+	descs          int // descriptor pairs before coalescing
 
 	c        *C.gx_xfer
 	posted   bool
@@ -69,7 +74,11 @@ func (x *xfer) Post() (nixl.Status, error) {
 	x.finalErr = nil
 	x.start = time.Now()
 	if a.set.cma && p.local && !p.noCMA {
-		if st, err, done := x.postCMA(fn); done {
+		post := x.postCMA
+		if x.ctls != nil {
+			post = x.postShm
+		}
+		if st, err, done := post(fn); done {
 			return st, err
 		}
 	}
@@ -90,6 +99,14 @@ func (x *xfer) postCMA(fn string) (st nixl.Status, err error, done bool) {
 	a.mu.Unlock()
 	rc := C.gx_cma(C.int(p.proc.Pid), C.int(x.op), (*C.gx_iov)(unsafe.Pointer(&x.ops[0])), C.size_t(len(x.ops)))
 	a.mu.Lock()
+	return x.afterHostCopy(fn, rc)
+}
+
+// afterHostCopy settles a transfer whose data this process moved itself
+// (CMA or shm; rc is the copy's result), with the agent mutex held: on
+// success the notification goes out through UCX.
+func (x *xfer) afterHostCopy(fn string, rc C.int) (st nixl.Status, err error, done bool) {
+	a, p := x.a, x.peer
 	if err := a.checkOpen(fn); err != nil {
 		x.final, x.finalErr = nixl.ErrInvalidParam, err
 		return nixl.ErrInvalidParam, err, true
