@@ -39,6 +39,8 @@ def indices(pattern, batch, slots, side):
     i = np.arange(batch, dtype=np.int64)
     if pattern == "contiguous":
         return (i % slots).astype(np.int32)
+    if pattern == "same":
+        return np.zeros(batch, dtype=np.int32)
     off = 0 if side == "local" else 1
     return ((i * PRIME + off) % slots).astype(np.int32)
 
@@ -170,7 +172,7 @@ def main():
     p.add_argument("--min-time", type=float, default=0.2)
     p.add_argument("--min-iters", type=int, default=3)
     p.add_argument("--max-iters", type=int, default=1000)
-    p.add_argument("--pattern", choices=["scattered", "contiguous"], default="scattered")
+    p.add_argument("--pattern", choices=["scattered", "contiguous", "same"], default="scattered")
     p.add_argument("--progress-thread", type=int, default=1)
     p.add_argument("--thp", type=int, default=0,
                    help="1: advise transparent huge pages for the buffers (numpy's default); 0: not (torch's)")

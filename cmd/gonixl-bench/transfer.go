@@ -112,7 +112,7 @@ func parseTransferFlags(args []string, stderr io.Writer) (*transferOpts, error) 
 	fs.DurationVar(&o.minTime, "min-time", 300*time.Millisecond, "minimum time per (op, block, batch)")
 	fs.IntVar(&o.minIters, "min-iters", 5, "minimum iterations per (op, block, batch)")
 	fs.IntVar(&o.maxIters, "max-iters", 2000, "maximum iterations per (op, block, batch)")
-	fs.StringVar(&o.pattern, "pattern", "scattered", "index pattern: scattered (no merging) or contiguous (NIXL merges)")
+	fs.StringVar(&o.pattern, "pattern", "scattered", "index pattern: scattered (no merging), contiguous (NIXL merges) or same (every descriptor block 0 on both sides: ucx_perftest's footprint, one message buffer a side reused by every operation)")
 	fs.BoolVar(&o.progress, "progress-thread", true, "engine progress thread (vLLM runs NIXL with it)")
 	fs.StringVar(&o.python, "python", "", "python for the NIXL-Python run (default: the project's .venv); \"none\" skips it")
 	fs.StringVar(&o.script, "script", "", "path of bench/nixl_python_bench.py (default: found from the working directory)")
@@ -154,8 +154,8 @@ func parseTransferFlags(args []string, stderr io.Writer) (*transferOpts, error) 
 		return nil, fmt.Errorf("-max-batch-bytes: bad size %q", maxB)
 	}
 	o.maxBatchBytes = m[0]
-	if o.pattern != "scattered" && o.pattern != "contiguous" {
-		return nil, fmt.Errorf("-pattern: %q is neither scattered nor contiguous", o.pattern)
+	if o.pattern != "scattered" && o.pattern != "contiguous" && o.pattern != "same" {
+		return nil, fmt.Errorf("-pattern: %q is not scattered, contiguous or same", o.pattern)
 	}
 	for _, b := range o.blocks {
 		if b > o.capBytes && o.role == "initiator" {
@@ -173,7 +173,8 @@ func parseTransferFlags(args []string, stderr io.Writer) (*transferOpts, error) 
 
 // benchIndices returns a batch's descriptor indices over slots blocks: the
 // scattered pattern never puts two consecutive indices next to each other
-// (so NIXL cannot merge descriptors), the contiguous one always does.
+// (so NIXL cannot merge descriptors), the contiguous one always does, and
+// same uses block 0 for every descriptor.
 func benchIndices(pattern string, batch, slots int, remote bool) []int32 {
 	out := make([]int32, batch)
 	off := 0
@@ -181,9 +182,12 @@ func benchIndices(pattern string, batch, slots int, remote bool) []int32 {
 		off = 1
 	}
 	for i := range out {
-		if pattern == "contiguous" {
+		switch pattern {
+		case "contiguous":
 			out[i] = int32(i % slots)
-		} else {
+		case "same":
+			out[i] = 0
+		default:
 			out[i] = int32((i*benchPrime + off) % slots)
 		}
 	}
@@ -268,6 +272,11 @@ func runTarget(o *transferOpts, stdout io.Writer) error {
 		return fail(err)
 	}
 	defer r.free()
+	// Data, not zero pages: the Python target's array is np.ones, and a
+	// prefill's KV cache holds values.
+	for i := range r.b {
+		r.b[i] = 1
+	}
 	regs := []nixl.Region{{Addr: r.addr(), Len: uint64(o.capBytes)}}
 	if err := a.RegisterMem(nixl.DRAM, regs); err != nil {
 		return fail(err)

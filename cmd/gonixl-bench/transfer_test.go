@@ -88,7 +88,7 @@ func TestPythonIndicesMatch(t *testing.T) {
 	}
 	code := fmt.Sprintf(`import sys, json; sys.path.insert(0, %q); import importlib.util as u
 s = u.spec_from_file_location("b", %q); m = u.module_from_spec(s); s.loader.exec_module(m)
-print(json.dumps([m.indices("scattered", 300, 4096, "local").tolist(), m.indices("scattered", 300, 64, "remote").tolist()]))`,
+print(json.dumps([m.indices(p, 300, n, side).tolist() for p in ("scattered", "contiguous", "same") for n, side in ((4096, "local"), (64, "remote"))]))`,
 		filepath.Dir(script), script)
 	out, err := exec.Command(py, "-c", code).Output()
 	if err != nil {
@@ -98,7 +98,10 @@ print(json.dumps([m.indices("scattered", 300, 4096, "local").tolist(), m.indices
 	if err := json.Unmarshal(out, &got); err != nil {
 		t.Fatal(err)
 	}
-	want := [][]int32{benchIndices("scattered", 300, 4096, false), benchIndices("scattered", 300, 64, true)}
+	var want [][]int32
+	for _, p := range []string{"scattered", "contiguous", "same"} {
+		want = append(want, benchIndices(p, 300, 4096, false), benchIndices(p, 300, 64, true))
+	}
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatal("Go and Python index patterns differ")
 	}

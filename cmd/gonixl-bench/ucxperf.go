@@ -3,11 +3,16 @@ package main
 // gonixl-bench ucxperf: the "ucx" engine against UCX's own ucx_perftest and
 // against single-core memcpy, in one run. See docs/BENCHMARKS.md (UCX section).
 //
-// It runs the transfer benchmark (runTransfer) with -engine ucx, then, for
-// every block size, ucx_perftest ucp_get (READ) or ucp_put_bw (WRITE) with
-// that message size between a server and a client process on loopback, and
-// a memcpy of the same scattered blocks on one core. Every process inherits
-// the same UCX_TLS and error-handling mode.
+// It runs the transfer benchmark (runTransfer) with -engine ucx twice: with
+// scattered blocks over the whole region (what a KV cache looks like; the
+// memcpy reference copies the same scattered blocks on one core) and with
+// every descriptor on block 0 of each side (ucx_perftest's footprint: one
+// message buffer a side, reused by every operation). Then, for every block
+// size, ucx_perftest ucp_get (READ) or ucp_put_bw (WRITE) with that message
+// size between a server and a client process on loopback. The perftest
+// ratios compare like footprints (gonixl "same" against ucx_perftest), the
+// memcpy ratio like scattered copies. Every process inherits the same
+// UCX_TLS, error-handling mode and GONIXL_UCX_DATA_PATH.
 
 import (
 	"context"
@@ -38,7 +43,8 @@ type perfRow struct {
 	Op             string  `json:"op"`
 	Block          int     `json:"block"`
 	Batch          int     `json:"batch"`
-	GonixlGBps     float64 `json:"gonixl_gbps"`
+	GonixlGBps     float64 `json:"gonixl_gbps"`      // scattered blocks
+	GonixlSameGBps float64 `json:"gonixl_same_gbps"` // every descriptor on block 0 (perftest's footprint)
 	PerftestGBps   float64 `json:"perftest_gbps"`
 	MemcpyGBps     float64 `json:"memcpy_gbps"`
 	RatioPerftest  float64 `json:"ratio_perftest"`
@@ -62,7 +68,8 @@ type perfReport struct {
 	ErrMode      string    `json:"err_mode"`
 	MemcpyBigGBs float64   `json:"memcpy_64mib_gbps"`
 	Rows         []perfRow `json:"rows"`
-	Transfer     *report   `json:"transfer"`
+	Transfer     *report   `json:"transfer"`      // scattered
+	TransferSame *report   `json:"transfer_same"` // every descriptor on block 0
 }
 
 func runUCXPerf(args []string, stdout, stderr io.Writer) error {
@@ -127,31 +134,41 @@ func runUCXPerf(args []string, stdout, stderr io.Writer) error {
 	rep.Perftest = ptBin
 	fmt.Fprintf(stdout, "%s\nUCX_TLS=%q, error handling %s, ucx_perftest %s\n", rep.Library, rep.UCXTLS, errMode, ptBin)
 
-	// 1. gonixl through the transfer benchmark.
-	tmp, err := os.CreateTemp("", "gonixl-ucxperf-*.json")
-	if err != nil {
+	// 1. gonixl through the transfer benchmark, scattered and same.
+	transfer := func(pattern string) (*report, error) {
+		tmp, err := os.CreateTemp("", "gonixl-ucxperf-*.json")
+		if err != nil {
+			return nil, err
+		}
+		tmp.Close()
+		defer os.Remove(tmp.Name())
+		targs := []string{"-engine", "ucx", "-python", "none", "-mem-iters", "0", "-overhead-descs", "0",
+			"-ops", opsS, "-block-sizes", blocksS, "-batch-sizes", strconv.Itoa(batch), "-cap", capS, "-pattern", pattern,
+			"-min-time", minTime.String(), "-progress-thread=" + strconv.FormatBool(progress), "-json", tmp.Name()}
+		fmt.Fprintf(stdout, "\n== gonixl-bench transfer %s\n", strings.Join(targs, " "))
+		if err := runTransfer(targs, stdout, stderr); err != nil {
+			return nil, fmt.Errorf("transfer benchmark: %w", err)
+		}
+		b, err := os.ReadFile(tmp.Name())
+		if err != nil {
+			return nil, err
+		}
+		r := &report{}
+		if err := json.Unmarshal(b, r); err != nil {
+			return nil, fmt.Errorf("transfer benchmark JSON: %w", err)
+		}
+		return r, nil
+	}
+	if rep.Transfer, err = transfer("scattered"); err != nil {
 		return err
 	}
-	tmp.Close()
-	defer os.Remove(tmp.Name())
-	targs := []string{"-engine", "ucx", "-python", "none", "-mem-iters", "0", "-overhead-descs", "0",
-		"-ops", opsS, "-block-sizes", blocksS, "-batch-sizes", strconv.Itoa(batch), "-cap", capS,
-		"-min-time", minTime.String(), "-progress-thread=" + strconv.FormatBool(progress), "-json", tmp.Name()}
-	fmt.Fprintf(stdout, "\n== gonixl-bench transfer %s\n", strings.Join(targs, " "))
-	if err := runTransfer(targs, stdout, stderr); err != nil {
-		return fmt.Errorf("transfer benchmark: %w", err)
-	}
-	b, err := os.ReadFile(tmp.Name())
-	if err != nil {
+	if rep.TransferSame, err = transfer("same"); err != nil {
 		return err
-	}
-	rep.Transfer = &report{}
-	if err := json.Unmarshal(b, rep.Transfer); err != nil {
-		return fmt.Errorf("transfer benchmark JSON: %w", err)
 	}
 
 	// 2. memcpy on one core, 3. ucx_perftest, per size.
-	rep.Rows, rep.MemcpyBigGBs, err = ucxPerfCompare(stderr, ops, blocks, batch, c[0], minTime, perftest, errMode, perftestMiB, rep.Transfer.Go)
+	rep.Rows, rep.MemcpyBigGBs, err = ucxPerfCompare(stderr, ops, blocks, batch, c[0], minTime, perftest, errMode, perftestMiB,
+		rep.Transfer.Go, rep.TransferSame.Go)
 	if err != nil {
 		return err
 	}
@@ -168,25 +185,31 @@ func runUCXPerf(args []string, stdout, stderr io.Writer) error {
 // ucxPerfCompare runs, for each op and block size, ucx_perftest with that
 // message size and a single-core memcpy of the same scattered blocks, and
 // pairs them with the gonixl results of the transfer benchmark (rows for
-// batch). It is the hook the transfer benchmark can call for -engine ucx:
-// UCX_TLS and GONIXL_UCX_ERR_MODE must already be set as for the transfer
-// run. perftest "" picks the binary matching the loaded libucp.
+// batch; scattered and same patterns). UCX_TLS and GONIXL_UCX_ERR_MODE
+// must already be set as for the transfer run. perftest "" picks the binary
+// matching the loaded libucp.
 func ucxPerfCompare(stderr io.Writer, ops []nixl.XferOp, blocks []int, batch, capBytes int, minTime time.Duration,
-	perftest, errMode string, perftestMiB int, gonixl []result) (rows []perfRow, memcpy64MiB float64, err error) {
+	perftest, errMode string, perftestMiB int, gonixl, gonixlSame []result) (rows []perfRow, memcpy64MiB float64, err error) {
 	ptBin, ptEnv := perftestFor(perftest, ucx.LibraryPath())
 	if memcpy64MiB, err = memcpyBig(64 << 20); err != nil {
 		return nil, 0, err
 	}
-	got := map[string]float64{}
+	got, gotSame := map[string]float64{}, map[string]float64{}
 	for _, r := range gonixl {
 		if r.Batch == batch {
 			got[fmt.Sprintf("%s/%d", r.Op, r.Block)] = r.GBps
 		}
 	}
+	for _, r := range gonixlSame {
+		if r.Batch == batch {
+			gotSame[fmt.Sprintf("%s/%d", r.Op, r.Block)] = r.GBps
+		}
+	}
 	for _, op := range ops {
 		name := strings.ToLower(op.String())
 		for _, blk := range blocks {
-			row := perfRow{Op: name, Block: blk, Batch: batch, GonixlGBps: got[fmt.Sprintf("%s/%d", name, blk)]}
+			key := fmt.Sprintf("%s/%d", name, blk)
+			row := perfRow{Op: name, Block: blk, Batch: batch, GonixlGBps: got[key], GonixlSameGBps: gotSame[key]}
 			if row.MemcpyGBps, err = memcpyScattered(blk, batch, capBytes, minTime); err != nil {
 				return nil, 0, err
 			}
@@ -199,7 +222,7 @@ func ucxPerfCompare(stderr io.Writer, ops []nixl.XferOp, blocks []int, batch, ca
 				err = nil
 			}
 			if row.PerftestGBps > 0 {
-				row.RatioPerftest = row.GonixlGBps / row.PerftestGBps
+				row.RatioPerftest = row.GonixlSameGBps / row.PerftestGBps
 			}
 			// The same test on malloc-ed memory. UCX 1.13 serves it by
 			// software emulation, one active-message round trip per
@@ -214,7 +237,7 @@ func ucxPerfCompare(stderr io.Writer, ops []nixl.XferOp, blocks []int, batch, ca
 				err = nil
 			}
 			if row.PerftestAnonGBps > 0 {
-				row.RatioPerftestAnon = row.GonixlGBps / row.PerftestAnonGBps
+				row.RatioPerftestAnon = row.GonixlSameGBps / row.PerftestAnonGBps
 			}
 			if row.MemcpyGBps > 0 {
 				row.RatioMemcpy = row.GonixlGBps / row.MemcpyGBps
@@ -228,8 +251,10 @@ func ucxPerfCompare(stderr io.Writer, ops []nixl.XferOp, blocks []int, batch, ca
 func printPerf(w io.Writer, rep *perfReport) {
 	fmt.Fprintf(w, "\n== gonixl-ucx vs ucx_perftest vs memcpy (GB/s = 1e9 B/s; memcpy on one core, 64 MiB copy: %.2f GB/s)\n", rep.MemcpyBigGBs)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(w, "same: every descriptor on block 0 of each side, ucx_perftest's footprint (one message buffer a side); scattered: blocks over the whole region, as a KV cache")
 	fmt.Fprintln(w, "ucx_perftest: its own UCX-allocated (shared) memory; ucx_perftest malloc: UCX_ALLOC_PRIO=heap, the kind of memory vLLM hands gonixl")
-	fmt.Fprintln(tw, "op\tblock\tbatch\tgonixl-ucx\tucx_perftest\tratio\tucx_perftest malloc\tratio\tmemcpy\tratio\ttargets (≥0.9× perftest from 32KiB, ≥0.5× memcpy)\t")
+	fmt.Fprintln(w, "perftest ratios: gonixl same / ucx_perftest; memcpy ratio: gonixl scattered / memcpy of the same scattered blocks")
+	fmt.Fprintln(tw, "op\tblock\tbatch\tgonixl same\tucx_perftest\tratio\tucx_perftest malloc\tratio\tgonixl scattered\tmemcpy\tratio\ttargets (≥0.9× perftest from 32KiB, ≥0.5× memcpy)\t")
 	for _, r := range rep.Rows {
 		pt, ratio, pta, ratioA := "-", "-", "-", "-"
 		if r.PerftestGBps > 0 {
@@ -246,8 +271,8 @@ func printPerf(w io.Writer, rep *perfReport) {
 			verdict = append(verdict, map[bool]string{true: "perftest-malloc ok", false: "perftest-malloc MISSED"}[r.RatioPerftestAnon >= 0.9])
 		}
 		verdict = append(verdict, map[bool]string{true: "memcpy ok", false: "memcpy MISSED"}[r.RatioMemcpy >= 0.5])
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%.3f\t%s\t%s\t%s\t%s\t%.3f\t%.2f\t%s\t\n", r.Op, sizeStr(r.Block), r.Batch, r.GonixlGBps, pt, ratio, pta, ratioA,
-			r.MemcpyGBps, r.RatioMemcpy, strings.Join(verdict, ", "))
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%.3f\t%s\t%s\t%s\t%s\t%.3f\t%.3f\t%.2f\t%s\t\n", r.Op, sizeStr(r.Block), r.Batch, r.GonixlSameGBps, pt, ratio, pta, ratioA,
+			r.GonixlGBps, r.MemcpyGBps, r.RatioMemcpy, strings.Join(verdict, ", "))
 	}
 	tw.Flush()
 }
