@@ -451,8 +451,8 @@ func gonixl_worker_close(h C.gonixl_worker_t, cerr *C.gonixl_error_t) C.gonixl_s
 }
 
 // testHooks is read once at load: the panic hook works only in processes
-// started with GONIXL_TEST_HOOKS=1.
-var testHooks = os.Getenv("GONIXL_TEST_HOOKS") == "1"
+// that have GONIXL_TEST_HOOKS=1 in their environment when the library loads.
+var testHooks = envSynced && os.Getenv("GONIXL_TEST_HOOKS") == "1"
 
 //export gonixl_debug_panic
 func gonixl_debug_panic(cerr *C.gonixl_error_t) C.gonixl_status_t {

@@ -248,9 +248,14 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	for _, s := range layout.Storage {
 		total += s.Len
 	}
-	w.log.Info("KV cache registered", zap.Int("regions", len(layout.Regions)), zap.Int64("num_blocks", layout.NumBlocks),
+	fields := []zap.Field{zap.Int("regions", len(layout.Regions)), zap.Int64("num_blocks", layout.NumBlocks),
 		zap.Uint64("block_len", layout.Regions[0].Len), zap.Uint64("bytes", total), zap.String("mem", layout.Mem.String()),
-		zap.String("compat_hash", hash))
+		zap.String("compat_hash", hash)}
+	if ai, ok := w.agent.(interface{ Info() string }); ok {
+		// The agent's own settings (error handling, data path, shared regions).
+		fields = append(fields, zap.String("agent", ai.Info()))
+	}
+	w.log.Info("KV cache registered", fields...)
 	return nil
 }
 

@@ -215,6 +215,33 @@ def test_panic_poisons_library_in_subprocess():
     assert "Go panic, library poisoned" in r.stderr  # the stack goes to stderr once
 
 
+@pytest.mark.parametrize("how", ["started-with", "set-in-python"])
+def test_environment_seen_after_setproctitle(how):
+    # vLLM's EngineCore and workers call setproctitle, which overwrites the
+    # process's original environment block, before gonixl loads; Python
+    # code may also set variables before the load. The library must see
+    # the live environment in both cases (GONIXL_TEST_HOOKS is read once at
+    # load, and enables the panic hook).
+    r = run_py(
+        """
+        import os, sys, setproctitle
+        setproctitle.setproctitle("VLLM::Worker")
+        if sys.argv[-1] == "set-in-python":
+            os.environ["GONIXL_TEST_HOOKS"] = "1"
+        from gonixl import _lib, errors
+        try:
+            _lib.call("gonixl_debug_panic")
+        except errors.InternalError as e:
+            print("hook enabled")
+        except errors.NotSupportedError as e:
+            print("hook disabled:", e)
+        """.replace("sys.argv[-1]", repr(how)),
+        {"GONIXL_TEST_HOOKS": "1"} if how == "started-with" else {"GONIXL_TEST_HOOKS": ""},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "hook enabled" in r.stdout, r.stdout
+
+
 def test_use_after_fork_is_refused():
     r = run_py(
         """
