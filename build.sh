@@ -88,6 +88,10 @@ cmd_test() {
     log "e2e: $t"
     bash "$t"
   done
+  # The same accuracy run over the UCX engine's shared-memory data path
+  # (the prefill's KV cache re-backed by a memfd that the decode maps).
+  log "e2e: tests/e2e/run_accuracy_test.sh with GONIXL_UCX_DATA_PATH=shm"
+  GONIXL_UCX_DATA_PATH=shm bash tests/e2e/run_accuracy_test.sh
 }
 
 ## demo: the main job (setup and build first)

@@ -123,6 +123,7 @@ type agent struct {
 	graveyard []*C.gx_ep
 	xfers     map[*xfer]struct{}
 	epInfo    string
+	epPeer    string // the peer epInfo describes
 	dropped   uint64
 	prog      *progressThread
 	polled    time.Time // last progress by a caller (Check), see progress.go
@@ -494,6 +495,7 @@ func (a *agent) loadLocked(m *metadata) error {
 		p = &peer{name: m.Name, addr: m.Address, ep: ep, proc: m.Proc, local: sameHost(m.Proc), pidfd: -1}
 		if a.epInfo == "" {
 			if s := C.gx_ep_info(ep); s != nil {
+				a.epPeer = m.Name
 				a.epInfo = fmt.Sprintf("ucx endpoint %s -> %s (error handling %s, setting %s):\n%s", a.name, m.Name, modeName, a.set.errMode, strings.TrimRight(C.GoString(s), "\n"))
 				C.free(unsafe.Pointer(s))
 			}
@@ -538,6 +540,9 @@ func (a *agent) loadLocked(m *metadata) error {
 		p.shmWhy = ""
 		attachShm(p, m.Regions)
 		a.copyMu.Unlock()
+		if fresh && a.epPeer == m.Name {
+			a.epInfo += "\n" + p.shmSummary()
+		}
 	}
 	a.gen++
 	p.gen = a.gen

@@ -319,6 +319,26 @@ func (a *agent) shmSummary() string {
 	return b.String()
 }
 
+// shmSummary says how many of the peer's regions are mapped here.
+func (p *peer) shmSummary() string {
+	n, mapped := 0, 0
+	for _, r := range p.md {
+		if r.Shm != nil {
+			n++
+		}
+	}
+	for _, s := range p.shm {
+		if s != nil {
+			mapped++
+		}
+	}
+	out := fmt.Sprintf("data path shm: %d of %d shared regions of %s mapped, %d regions in all", mapped, n, p.name, len(p.md))
+	if p.shmWhy != "" {
+		out += " (" + p.shmWhy + ")"
+	}
+	return out
+}
+
 // postShm moves the data of a transfer to a peer whose regions are mapped
 // here: memcpy for the mapped parts and CMA for the rest, outside the agent
 // mutex (called and returning with it held), then lets C send the

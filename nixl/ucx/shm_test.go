@@ -234,6 +234,9 @@ func (p *shmPair) dstBlock(i int32) []byte { return p.dst[int(i)*p.block : int(i
 func TestShmReadWriteUnaligned(t *testing.T) {
 	p := newShmPair(t, shmParams)
 	requireShmPeer(t, p.reader, "shm-pair-owner")
+	if info := p.reader.(*agent).EndpointInfo(); !strings.Contains(info, "data path shm: 1 of 1 shared regions of shm-pair-owner mapped") {
+		t.Errorf("EndpointInfo does not say the region is mapped:\n%s", info)
+	}
 	x, li, ri := p.xfer(t, nixl.Read)
 	xi := x.(*xfer)
 	if len(xi.shmOps) == 0 || len(xi.cmaOps) == 0 || len(xi.ctls) != 1 {

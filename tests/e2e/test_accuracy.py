@@ -155,3 +155,18 @@ def test_kv_transfer_metrics_line(examples, runs):
     with open(DECODE_LOG, errors="replace") as f:
         log = f.read()
     assert "NIXL transfer failure" not in log
+
+
+@pytest.mark.skipif(os.environ.get("GONIXL_UCX_DATA_PATH") != "shm", reason="runs with GONIXL_UCX_DATA_PATH=shm only")
+def test_shm_data_path_used(examples, runs):
+    # With data path shm the prefill re-backs its KV cache with a memfd and
+    # the decode maps it: both must say so, or the run measured another path.
+    with open(os.environ["GONIXL_E2E_PREFILL_LOG"], errors="replace") as f:
+        prefill = f.read()
+    with open(DECODE_LOG, errors="replace") as f:
+        decode = f.read()
+    shared = re.search(r"shm: (\d+) of (\d+) regions shared", prefill)
+    mapped = re.search(r"data path shm: (\d+) of (\d+) shared regions of \S+ mapped", decode)
+    print("prefill:", shared and shared.group(0), "| decode:", mapped and mapped.group(0))
+    assert shared and int(shared.group(1)) == int(shared.group(2)) > 0
+    assert mapped and int(mapped.group(1)) == int(mapped.group(2)) > 0
