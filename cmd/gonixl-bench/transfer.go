@@ -291,6 +291,10 @@ func runTarget(o *transferOpts, stdout io.Writer) error {
 	}
 	done := make(chan struct{})
 	go func() { _, _ = io.Copy(io.Discard, os.Stdin); close(done) }()
+	// One thread drains notifications, as the Python target's loop does
+	// (see serveGo).
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	t := time.NewTicker(time.Millisecond)
 	defer t.Stop()
 	for {
@@ -714,6 +718,9 @@ type report struct {
 	Python   []result        `json:"nixl_python,omitempty"`
 	Overhead *overheadResult `json:"overhead,omitempty"`
 	Memory   *memResult      `json:"memory,omitempty"`
+	// Paired holds, per "op/block/batch", gonixl GB/s ÷ NIXL-Python GB/s
+	// of each round, both measured back to back in that round.
+	Paired map[string][]float64 `json:"paired_ratios,omitempty"`
 }
 
 func runTransfer(args []string, stdout, stderr io.Writer) error {
@@ -777,10 +784,12 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 			}
 		}
 		for _, c := range o.combos() {
+			var goR, pyR result
 			runGo := func() error {
 				r, err := goG.measure(c, "gonixl/"+o.engine)
 				if err == nil {
 					rep.Go = keepBest(rep.Go, []result{r})
+					goR = r
 				}
 				return err
 			}
@@ -796,6 +805,7 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 					return
 				}
 				rep.Python = keepBest(rep.Python, []result{r})
+				pyR = r
 			}
 			if round%2 == 1 {
 				runPy()
@@ -805,6 +815,13 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 			}
 			if round%2 == 0 {
 				runPy()
+			}
+			if goR.GBps > 0 && pyR.GBps > 0 {
+				if rep.Paired == nil {
+					rep.Paired = map[string][]float64{}
+				}
+				k := comboKey(goR)
+				rep.Paired[k] = append(rep.Paired[k], goR.GBps/pyR.GBps)
 			}
 		}
 		rep.Rounds = round + 1
@@ -874,6 +891,23 @@ func keepBest(best, round []result) []result {
 	return best
 }
 
+func comboKey(r result) string { return fmt.Sprintf("%s/%d/%d", r.Op, r.Block, r.Batch) }
+
+// medianOf returns the median of xs (the mean of the middle two for an
+// even count), and 0 for none.
+func medianOf(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	if n := len(s); n%2 == 1 {
+		return s[n/2]
+	} else {
+		return (s[n/2-1] + s[n/2]) / 2
+	}
+}
+
 func sizeStr(n int) string {
 	switch {
 	case n >= 1<<20 && n%(1<<20) == 0:
@@ -892,15 +926,24 @@ func printReport(w io.Writer, rep *report) {
 	if rep.PyInfo != "" {
 		fmt.Fprintf(w, "NIXL-Python: %s\n", rep.PyInfo)
 	}
-	fmt.Fprintf(w, "best of %d round(s) per size (new processes every round unless -fresh=false), gonixl and NIXL-Python alternating size by size, the one not measuring stopped; GB/s from the median transfer time (robust to load spikes), GB/s mean = Σbytes/Σtime; ratio = gonixl GB/s / NIXL-Python GB/s\n", rep.Rounds)
+	fmt.Fprintf(w, "best of %d round(s) per size (new processes every round unless -fresh=false), gonixl and NIXL-Python alternating size by size, the one not measuring stopped; GB/s from the median transfer time (robust to load spikes), GB/s mean = Σbytes/Σtime; ratio = gonixl GB/s / NIXL-Python GB/s (best against best); paired = median over rounds of the ratio of the two measured back to back in one round\n", rep.Rounds)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "op\tblock\tbatch\titers\tGB/s\tGB/s mean\tmake µs\tpost µs\txfer µs p50\txfer µs p99\trelease µs\tpy GB/s\tpy GB/s mean\tpy make µs\tpy post µs\tpy xfer µs\tratio\t")
+	fmt.Fprintln(tw, "op\tblock\tbatch\titers\tGB/s\tGB/s mean\tmake µs\tpost µs\txfer µs p50\txfer µs p99\trelease µs\tpy GB/s\tpy GB/s mean\tpy make µs\tpy post µs\tpy xfer µs\tratio\tpaired\tpaired min–max\t")
 	for _, r := range rep.Go {
 		line := fmt.Sprintf("%s\t%s\t%d\t%d\t%.3f\t%.3f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t", r.Op, sizeStr(r.Block), r.Batch, r.Iters, r.GBps, r.GBpsMean, r.MakeUs, r.PostUs, r.XferUs, r.XferP99Us, r.ReleaseUs)
 		if p, ok := py[fmt.Sprintf("%s/%d/%d", r.Op, r.Block, r.Batch)]; ok && p.GBps > 0 {
 			line += fmt.Sprintf("%.3f\t%.3f\t%.1f\t%.1f\t%.1f\t%.2f\t", p.GBps, p.GBpsMean, p.MakeUs, p.PostUs, p.XferUs, r.GBps/p.GBps)
+			if pr := rep.Paired[comboKey(r)]; len(pr) > 0 {
+				lo, hi := pr[0], pr[0]
+				for _, x := range pr {
+					lo, hi = min(lo, x), max(hi, x)
+				}
+				line += fmt.Sprintf("%.2f\t%.2f–%.2f\t", medianOf(pr), lo, hi)
+			} else {
+				line += "-\t-\t"
+			}
 		} else {
-			line += "-\t-\t-\t-\t-\t-\t"
+			line += "-\t-\t-\t-\t-\t-\t-\t-\t"
 		}
 		fmt.Fprintln(tw, line)
 	}

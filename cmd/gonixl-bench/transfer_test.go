@@ -232,3 +232,14 @@ func TestProcGroupPause(t *testing.T) {
 	g.resume()
 	waitState(cmd.Process.Pid, 'S')
 }
+
+func TestMedianOf(t *testing.T) {
+	for _, c := range []struct {
+		in   []float64
+		want float64
+	}{{nil, 0}, {[]float64{3}, 3}, {[]float64{5, 1, 3}, 3}, {[]float64{4, 1, 3, 2}, 2.5}} {
+		if got := medianOf(c.in); got != c.want {
+			t.Errorf("medianOf(%v) = %v, want %v", c.in, got, c.want)
+		}
+	}
+}

@@ -65,12 +65,22 @@
 // for the notification; Post then returns after the copy (Success, or
 // InProgress while the notification is in flight).
 //
+// data_path "shm" (opt-in, both sides) goes further, to what ucx_perftest
+// gets on memory UCX allocated itself: RegisterMem re-backs the
+// page-aligned interior of each region with a sealed memfd at the same
+// addresses and with the same bytes, a same-host peer maps it when it loads
+// the metadata, and a READ or WRITE is a memcpy (CMA for the partial pages
+// at the ends of a region), checked against the owner's revocation and
+// exit before and after. Deregistration gives the caller private memory
+// back with its contents. shm.go describes the mechanism and what a caller
+// can observe while a region is shared.
+//
 // # Configuration
 //
 // BackendParams["UCX"] takes NIXL's UCX plugin keys: ucx_error_handling_mode
 // (alias error_handling) "auto", "peer" or "none", engine_config
-// "KEY=VAL,...", device_list, and this engine's data_path "ucp" (default)
-// or "cma". The error mode falls back to $GONIXL_UCX_ERR_MODE, then "auto";
+// "KEY=VAL,...", device_list, and this engine's data_path "ucp" (default),
+// "cma" or "shm". The error mode falls back to $GONIXL_UCX_ERR_MODE, then "auto";
 // the data path to $GONIXL_UCX_DATA_PATH, then "ucp".
 //
 // On UCX 1.13, peer mode lets UCP use only transports that detect peer
