@@ -40,7 +40,7 @@ def indices(pattern, batch, slots, side):
     if pattern == "contiguous":
         return (i % slots).astype(np.int32)
     if pattern == "same":
-        return np.zeros(batch, dtype=np.int32)
+        return np.full(batch, min(1, slots - 1), dtype=np.int32)
     off = 0 if side == "local" else 1
     return ((i * PRIME + off) % slots).astype(np.int32)
 

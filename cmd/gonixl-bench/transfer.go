@@ -112,7 +112,7 @@ func parseTransferFlags(args []string, stderr io.Writer) (*transferOpts, error) 
 	fs.DurationVar(&o.minTime, "min-time", 300*time.Millisecond, "minimum time per (op, block, batch)")
 	fs.IntVar(&o.minIters, "min-iters", 5, "minimum iterations per (op, block, batch)")
 	fs.IntVar(&o.maxIters, "max-iters", 2000, "maximum iterations per (op, block, batch)")
-	fs.StringVar(&o.pattern, "pattern", "scattered", "index pattern: scattered (no merging), contiguous (NIXL merges) or same (every descriptor block 0 on both sides: ucx_perftest's footprint, one message buffer a side reused by every operation)")
+	fs.StringVar(&o.pattern, "pattern", "scattered", "index pattern: scattered (no merging), contiguous (NIXL merges) or same (every descriptor block 1 on both sides: ucx_perftest's footprint, one message buffer a side reused by every operation)")
 	fs.BoolVar(&o.progress, "progress-thread", true, "engine progress thread (vLLM runs NIXL with it)")
 	fs.StringVar(&o.python, "python", "", "python for the NIXL-Python run (default: the project's .venv); \"none\" skips it")
 	fs.StringVar(&o.script, "script", "", "path of bench/nixl_python_bench.py (default: found from the working directory)")
@@ -174,7 +174,7 @@ func parseTransferFlags(args []string, stderr io.Writer) (*transferOpts, error) 
 // benchIndices returns a batch's descriptor indices over slots blocks: the
 // scattered pattern never puts two consecutive indices next to each other
 // (so NIXL cannot merge descriptors), the contiguous one always does, and
-// same uses block 0 for every descriptor.
+// same uses one block (block 1) for every descriptor on both sides.
 func benchIndices(pattern string, batch, slots int, remote bool) []int32 {
 	out := make([]int32, batch)
 	off := 0
@@ -186,7 +186,7 @@ func benchIndices(pattern string, batch, slots int, remote bool) []int32 {
 		case "contiguous":
 			out[i] = int32(i % slots)
 		case "same":
-			out[i] = 0
+			out[i] = int32(min(1, slots-1)) // block 1: inside the region's whole pages
 		default:
 			out[i] = int32((i*benchPrime + off) % slots)
 		}
@@ -195,7 +195,10 @@ func benchIndices(pattern string, batch, slots int, remote bool) []int32 {
 }
 
 // region is anonymous mmap-ed memory outside the Go heap.
-type region struct{ b []byte }
+type region struct {
+	b []byte
+	m []byte // the whole mapping when b is a part of it
+}
 
 // newRegion maps n bytes, with transparent huge pages advised when thp is
 // set (what numpy does for large arrays; torch's CPU allocator, and so
@@ -221,8 +224,38 @@ func newRegion(n int, thp bool) (*region, error) {
 	return &region{b: b}, nil
 }
 
+// newArrayRegion allocates n bytes the way numpy allocates a large array
+// (np.zeros in the Python initiator, np.ones in its target), so that both
+// implementations copy into and out of the same kind of memory: a fresh
+// anonymous mapping, faulted in lazily on first touch, with the array 16
+// bytes past a page boundary, where malloc's chunk header puts it. The
+// kind matters: with the same C++ calls and no progress threads, 1 MiB × 16
+// READs into a page-aligned MAP_POPULATE buffer took 4-6 % longer than into
+// this one (2026-12-01, docs/BENCHMARKS.md). thp advises huge pages, as
+// numpy does unless told otherwise.
+func newArrayRegion(n int, thp bool) (*region, error) {
+	const off = 16
+	m, err := syscall.Mmap(-1, 0, n+4096, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		return nil, fmt.Errorf("mmap %d bytes: %w", n, err)
+	}
+	if thp {
+		if err := syscall.Madvise(m, 14 /* MADV_HUGEPAGE */); err != nil {
+			_ = syscall.Munmap(m)
+			return nil, fmt.Errorf("madvise(MADV_HUGEPAGE): %w", err)
+		}
+	}
+	return &region{b: m[off : off+n], m: m}, nil
+}
+
 func (r *region) addr() uint64 { return uint64(reflect.ValueOf(r.b).Pointer()) }
-func (r *region) free()        { _ = syscall.Munmap(r.b) }
+func (r *region) free() {
+	if r.m != nil {
+		_ = syscall.Munmap(r.m)
+		return
+	}
+	_ = syscall.Munmap(r.b)
+}
 
 func blockTable(base uint64, block, slots int) []nixl.Desc {
 	d := make([]nixl.Desc, slots)
@@ -267,7 +300,7 @@ func runTarget(o *transferOpts, stdout io.Writer) error {
 		return fail(err)
 	}
 	defer a.Close()
-	r, err := newRegion(o.capBytes, o.thp)
+	r, err := newArrayRegion(o.capBytes, o.thp)
 	if err != nil {
 		return fail(err)
 	}
@@ -406,7 +439,7 @@ func startInitiator(o *transferOpts, stderr io.Writer) (*initiator, error) {
 		in.stop()
 		return nil, err
 	}
-	if in.r, err = newRegion(o.capBytes, o.thp); err != nil {
+	if in.r, err = newArrayRegion(o.capBytes, o.thp); err != nil {
 		in.stop()
 		return nil, err
 	}

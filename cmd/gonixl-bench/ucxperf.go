@@ -6,7 +6,7 @@ package main
 // It runs the transfer benchmark (runTransfer) with -engine ucx twice: with
 // scattered blocks over the whole region (what a KV cache looks like; the
 // memcpy reference copies the same scattered blocks on one core) and with
-// every descriptor on block 0 of each side (ucx_perftest's footprint: one
+// every descriptor on block 1 of each side (ucx_perftest's footprint: one
 // message buffer a side, reused by every operation). Then, for every block
 // size, ucx_perftest ucp_get (READ) or ucp_put_bw (WRITE) with that message
 // size between a server and a client process on loopback. The perftest
@@ -44,7 +44,7 @@ type perfRow struct {
 	Block          int     `json:"block"`
 	Batch          int     `json:"batch"`
 	GonixlGBps     float64 `json:"gonixl_gbps"`      // scattered blocks
-	GonixlSameGBps float64 `json:"gonixl_same_gbps"` // every descriptor on block 0 (perftest's footprint)
+	GonixlSameGBps float64 `json:"gonixl_same_gbps"` // every descriptor on block 1 (perftest's footprint)
 	PerftestGBps   float64 `json:"perftest_gbps"`
 	MemcpyGBps     float64 `json:"memcpy_gbps"`
 	RatioPerftest  float64 `json:"ratio_perftest"`
@@ -69,7 +69,7 @@ type perfReport struct {
 	MemcpyBigGBs float64   `json:"memcpy_64mib_gbps"`
 	Rows         []perfRow `json:"rows"`
 	Transfer     *report   `json:"transfer"`      // scattered
-	TransferSame *report   `json:"transfer_same"` // every descriptor on block 0
+	TransferSame *report   `json:"transfer_same"` // every descriptor on block 1
 }
 
 func runUCXPerf(args []string, stdout, stderr io.Writer) error {
@@ -251,7 +251,7 @@ func ucxPerfCompare(stderr io.Writer, ops []nixl.XferOp, blocks []int, batch, ca
 func printPerf(w io.Writer, rep *perfReport) {
 	fmt.Fprintf(w, "\n== gonixl-ucx vs ucx_perftest vs memcpy (GB/s = 1e9 B/s; memcpy on one core, 64 MiB copy: %.2f GB/s)\n", rep.MemcpyBigGBs)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(w, "same: every descriptor on block 0 of each side, ucx_perftest's footprint (one message buffer a side); scattered: blocks over the whole region, as a KV cache")
+	fmt.Fprintln(w, "same: every descriptor on block 1 of each side, ucx_perftest's footprint (one message buffer a side); scattered: blocks over the whole region, as a KV cache")
 	fmt.Fprintln(w, "ucx_perftest: its own UCX-allocated (shared) memory; ucx_perftest malloc: UCX_ALLOC_PRIO=heap, the kind of memory vLLM hands gonixl")
 	fmt.Fprintln(w, "perftest ratios: gonixl same / ucx_perftest; memcpy ratio: gonixl scattered / memcpy of the same scattered blocks")
 	fmt.Fprintln(tw, "op\tblock\tbatch\tgonixl same\tucx_perftest\tratio\tucx_perftest malloc\tratio\tgonixl scattered\tmemcpy\tratio\ttargets (≥0.9× perftest from 32KiB, ≥0.5× memcpy)\t")
