@@ -27,6 +27,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -57,13 +58,19 @@ def load_api(module):
     return importlib.import_module(module + "._api")
 
 
-def target(conn, module, cap, progress, thp):
+def make_target(module, cap, progress, thp):
+    """A target agent with one registered region of cap bytes (np.ones)."""
     set_thp(thp)
     api = load_api(module)
     cfg = api.nixl_agent_config(enable_prog_thread=progress, backends=["UCX"])
     agent = api.nixl_agent("py-bench-target-%d" % os.getpid(), cfg)
     buf = np.ones(cap, dtype=np.uint8)
     reg = agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"))
+    return agent, buf, reg
+
+
+def target(conn, module, cap, progress, thp):
+    agent, buf, reg = make_target(module, cap, progress, thp)
     conn.send((agent.get_agent_metadata(), buf.ctypes.data))
     while True:
         if conn.poll(0.001):
@@ -72,6 +79,19 @@ def target(conn, module, cap, progress, thp):
         agent.get_new_notifs()
     agent.deregister_memory(reg)
     conn.send("bye")
+
+
+def target_stdio(args):
+    """--target-only: the same target for another initiator (gonixl-bench
+    transfer -target python): one JSON line {"md": hex, "base": address} on
+    stdout, then notifications drained every millisecond until stdin closes."""
+    agent, buf, reg = make_target(args.module, args.cap, bool(args.progress_thread), bool(args.thp))
+    print(json.dumps({"md": agent.get_agent_metadata().hex(), "base": buf.ctypes.data}), flush=True)
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    while not done.wait(0.001):
+        agent.get_new_notifs()
+    agent.deregister_memory(reg)
 
 
 def measure(agent, args, lists, remote, remote_base, buf, op, bs, batch):
@@ -178,8 +198,13 @@ def main():
                    help="1: advise transparent huge pages for the buffers (numpy's default); 0: not (torch's)")
     p.add_argument("--serve", action="store_true",
                    help="measure the sizes requested on stdin, one JSON object a line, instead of the lists")
+    p.add_argument("--target-only", action="store_true",
+                   help="only run a target for another initiator (see target_stdio)")
     args = p.parse_args()
-    run(args)
+    if args.target_only:
+        target_stdio(args)
+    else:
+        run(args)
     # Leave without interpreter finalisation: tearing the nixl_agent down at
     # exit has crashed (SIGSEGV) on this host after all results were out.
     sys.stdout.flush()

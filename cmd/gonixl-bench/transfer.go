@@ -12,7 +12,9 @@ package main
 // done, Release.
 
 import (
+	"bufio"
 	"encoding/gob"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -57,6 +59,8 @@ type transferOpts struct {
 	pattern       string
 	progress      bool
 	python        string
+	target        string // "go", "python" or "auto"
+	pyModule      string // NIXL-Python module for -target python (set by the orchestrator)
 	script        string
 	memIters      int
 	memBatch      int
@@ -115,6 +119,8 @@ func parseTransferFlags(args []string, stderr io.Writer) (*transferOpts, error) 
 	fs.StringVar(&o.pattern, "pattern", "scattered", "index pattern: scattered (no merging), contiguous (NIXL merges) or same (every descriptor block 1 on both sides: ucx_perftest's footprint, one message buffer a side reused by every operation)")
 	fs.BoolVar(&o.progress, "progress-thread", true, "engine progress thread (vLLM runs NIXL with it)")
 	fs.StringVar(&o.python, "python", "", "python for the NIXL-Python run (default: the project's .venv); \"none\" skips it")
+	fs.StringVar(&o.target, "target", "auto", "gonixl's target process: go (this binary), python (bench/nixl_python_bench.py --target-only, the program NIXL-Python reads from; engine nixl only) or auto (python for engine nixl when the comparison runs, else go)")
+	fs.StringVar(&o.pyModule, "py-module", "", "NIXL-Python module for -target python (default: from the engine's library path)")
 	fs.StringVar(&o.script, "script", "", "path of bench/nixl_python_bench.py (default: found from the working directory)")
 	fs.IntVar(&o.memIters, "mem-iters", 10000, "transfers for the memory-growth check (0 skips)")
 	fs.IntVar(&o.memBatch, "mem-batch", 64, "descriptors per transfer in the memory-growth check")
@@ -383,6 +389,32 @@ func summarize(impl, op string, block, batch int, makes, posts, xfers, rels []in
 		MakeUs: pct(makes, .5), PostUs: pct(posts, .5), XferUs: pct(xfers, .5), XferP99Us: pct(xfers, .99), ReleaseUs: pct(rels, .5)}
 }
 
+// readPythonHello reads the --target-only script's hello line, skipping
+// the log lines NIXL prints on stdout before it.
+func readPythonHello(r io.Reader, h *hello) error {
+	br := bufio.NewReader(r)
+	for {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			return fmt.Errorf("python target: %w", err)
+		}
+		var m struct {
+			MD   string `json:"md"`
+			Base uint64 `json:"base"`
+		}
+		if json.Unmarshal([]byte(line), &m) != nil || m.MD == "" {
+			continue
+		}
+		if h.MD, err = hex.DecodeString(m.MD); err != nil {
+			return fmt.Errorf("python target metadata: %w", err)
+		}
+		h.Base = m.Base
+		// The rest of its stdout is logs: keep the pipe drained.
+		go func() { _, _ = io.Copy(io.Discard, br) }()
+		return nil
+	}
+}
+
 // initiator holds the initiating agent, its region and the target process.
 type initiator struct {
 	o      *transferOpts
@@ -398,13 +430,28 @@ type initiator struct {
 }
 
 func startInitiator(o *transferOpts, stderr io.Writer) (*initiator, error) {
-	exe, err := os.Executable()
-	if err != nil {
-		return nil, err
+	var cmd *exec.Cmd
+	if o.target == "python" {
+		py, script, err := pythonScript(o)
+		if err != nil {
+			return nil, err
+		}
+		module := o.pyModule
+		if module == "" {
+			if e, err := nixl.Lookup(o.engine); err == nil {
+				module = pythonModule(e.Info())
+			}
+		}
+		cmd = exec.Command(py, script, "--target-only", "--module", module, "--cap", strconv.Itoa(o.capBytes),
+			"--progress-thread", map[bool]string{true: "1", false: "0"}[o.progress], "--thp", map[bool]string{true: "1", false: "0"}[o.thp])
+	} else {
+		exe, err := os.Executable()
+		if err != nil {
+			return nil, err
+		}
+		cmd = exec.Command(exe, "transfer", "-role", "target", "-engine", o.engine, "-cap", strconv.Itoa(o.capBytes),
+			"-progress-thread="+strconv.FormatBool(o.progress), "-thp="+strconv.FormatBool(o.thp))
 	}
-	args := []string{"transfer", "-role", "target", "-engine", o.engine, "-cap", strconv.Itoa(o.capBytes),
-		"-progress-thread=" + strconv.FormatBool(o.progress), "-thp=" + strconv.FormatBool(o.thp)}
-	cmd := exec.Command(exe, args...)
 	cmd.Stderr = stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	stdin, err := cmd.StdinPipe()
@@ -421,7 +468,11 @@ func startInitiator(o *transferOpts, stderr io.Writer) (*initiator, error) {
 	in := &initiator{o: o, target: cmd, stdin: stdin, cache: map[int]preppedLists{}}
 	var h hello
 	got := make(chan error, 1)
-	go func() { got <- gob.NewDecoder(stdout).Decode(&h) }()
+	if o.target == "python" {
+		go func() { got <- readPythonHello(stdout, &h) }()
+	} else {
+		go func() { got <- gob.NewDecoder(stdout).Decode(&h) }()
+	}
 	select {
 	case err = <-got:
 	case <-time.After(60 * time.Second):
@@ -707,12 +758,11 @@ func pythonModule(info string) string {
 	return "nixl"
 }
 
-// startPython starts bench/nixl_python_bench.py in --serve mode: it measures
-// one size point per request, so that gonixl and NIXL-Python alternate.
-func startPython(o *transferOpts, module string, stderr io.Writer) (*procGroup, string, error) {
+// pythonScript finds the python and bench/nixl_python_bench.py to run.
+func pythonScript(o *transferOpts) (py, script string, err error) {
 	wd, _ := os.Getwd()
-	py := o.python
-	if py == "" {
+	py = o.python
+	if py == "" || py == "none" {
 		if v := os.Getenv("VIRTUAL_ENV"); v != "" {
 			py = filepath.Join(v, "bin", "python")
 		} else if p := findUp(wd, ".venv/bin/python"); p != "" {
@@ -721,12 +771,21 @@ func startPython(o *transferOpts, module string, stderr io.Writer) (*procGroup, 
 			py = "python3"
 		}
 	}
-	script := o.script
+	script = o.script
 	if script == "" {
-		script = findUp(wd, "bench/nixl_python_bench.py")
-		if script == "" {
-			return nil, "", errors.New("bench/nixl_python_bench.py not found (use -script)")
+		if script = findUp(wd, "bench/nixl_python_bench.py"); script == "" {
+			return "", "", errors.New("bench/nixl_python_bench.py not found (use -script)")
 		}
+	}
+	return py, script, nil
+}
+
+// startPython starts bench/nixl_python_bench.py in --serve mode: it measures
+// one size point per request, so that gonixl and NIXL-Python alternate.
+func startPython(o *transferOpts, module string, stderr io.Writer) (*procGroup, string, error) {
+	py, script, err := pythonScript(o)
+	if err != nil {
+		return nil, "", err
 	}
 	args := []string{script, "--serve", "--module", module,
 		"--cap", strconv.Itoa(o.capBytes),
@@ -781,6 +840,12 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 	defer closeGroups()
 	rep := report{Command: "gonixl-bench transfer " + strings.Join(args, " "), Engine: o.engine}
 	pyWanted := o.python != "none" && o.engine != "fake"
+	if o.target == "auto" {
+		o.target = "go"
+		if pyWanted && o.engine == "nixl" {
+			o.target = "python"
+		}
+	}
 	// startGroups starts both implementations' processes, each paused until
 	// it measures. With -fresh every round gets new processes (new memory):
 	// on this VM a region's bandwidth depends on where its pages landed, and
