@@ -243,3 +243,17 @@ func TestMedianOf(t *testing.T) {
 		}
 	}
 }
+
+func TestReadPythonHello(t *testing.T) {
+	in := "2026-12-01 NIXL INFO    _api.py:405 Backend UCX was instantiated\n{\"md\": \"00ff10\", \"base\": 4096}\nmore log\n"
+	var h hello
+	if err := readPythonHello(strings.NewReader(in), &h); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(h.MD, []byte{0, 0xff, 0x10}) || h.Base != 4096 {
+		t.Fatalf("hello %+v", h)
+	}
+	if err := readPythonHello(strings.NewReader("log only\n"), &h); err == nil {
+		t.Fatal("no hello line accepted")
+	}
+}
