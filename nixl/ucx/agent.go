@@ -267,7 +267,12 @@ func (a *agent) RegisterMem(mem nixl.MemType, regions []nixl.Region) error {
 		var sh *shmLocal
 		if maps != nil {
 			var why string
-			if sh, why = share(r, maps); sh == nil && a.shmWhy == "" {
+			if a.overlapsShared(r) {
+				why = "overlaps a region that is already shared"
+			} else {
+				sh, why = share(r, maps)
+			}
+			if sh == nil && a.shmWhy == "" {
 				a.shmWhy = fmt.Sprintf("region %#x+%d: %s", r.Addr, r.Len, why)
 			}
 		}
@@ -294,6 +299,21 @@ func (a *agent) RegisterMem(mem nixl.MemType, regions []nixl.Region) error {
 	}
 	a.localGen++
 	return nil
+}
+
+// overlapsShared reports whether r's whole pages meet a registered region's
+// shared range: re-backing them again would detach that region's memfd
+// (and its peers' mappings) from the memory.
+func (a *agent) overlapsShared(r nixl.Region) bool {
+	base, n := interior(r)
+	for _, rs := range a.regions {
+		for _, lr := range rs {
+			if s := lr.shm; s != nil && base < s.base+s.len && s.base < base+n {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // rollback unmaps regions registered by a failing RegisterMem call.

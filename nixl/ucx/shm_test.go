@@ -428,3 +428,40 @@ func TestShmSplit(t *testing.T) {
 		t.Errorf("first interior part %+v, want laddr 0x200 at the data start", mem[0])
 	}
 }
+
+// TestShmOverlappingRegions: a second registration over pages that are
+// already shared is registered as it is, and both regions keep moving the
+// right bytes.
+func TestShmOverlappingRegions(t *testing.T) {
+	pg := int(pageSize)
+	buf := mmapBuf(t, 8*pg)
+	rand.New(rand.NewSource(6)).Read(buf)
+	a := newAgent(t, "shm-overlap", shmParams, false)
+	r1 := nixl.Region{Addr: addrOf(buf), Len: uint64(6 * pg)}
+	r2 := nixl.Region{Addr: addrOf(buf) + uint64(2*pg), Len: uint64(6 * pg)}
+	if err := a.RegisterMem(nixl.DRAM, []nixl.Region{r1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.RegisterMem(nixl.DRAM, []nixl.Region{r2}); err != nil {
+		t.Fatal(err)
+	}
+	info := a.(*agent).Info()
+	if !strings.Contains(info, "shm: 1 of 2 regions shared") || !strings.Contains(info, "overlaps a region that is already shared") {
+		t.Fatalf("Info: %s", info)
+	}
+	// r1's pages still come from r1's memfd.
+	ag := a.(*agent)
+	ag.mu.Lock()
+	var ino uint64
+	for _, lr := range ag.regions[nixl.DRAM] {
+		if lr.shm != nil {
+			ino = uint64(lr.shm.c.ino)
+		}
+	}
+	ag.mu.Unlock()
+	for _, v := range mapsAt(t, addrOf(buf), addrOf(buf)+uint64(6*pg)) {
+		if v.inode != ino {
+			t.Errorf("mapping %#x-%#x inode %d, want r1's memfd %d", v.start, v.end, v.inode, ino)
+		}
+	}
+}
