@@ -221,6 +221,23 @@ func (p *shmPair) xfer(t *testing.T, op nixl.XferOp) (nixl.Xfer, []int32, []int3
 	return x, li, ri
 }
 
+// run posts x, waits for it and checks that every local block li[i] equals
+// remote block ri[i] afterwards.
+func (p *shmPair) run(t *testing.T, what string, x nixl.Xfer, li, ri []int32) {
+	t.Helper()
+	if _, err := x.Post(); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := wait(t, x, p.owner, 30*time.Second); st != nixl.Success {
+		t.Fatalf("%s: %v %v", what, st, err)
+	}
+	for i := range li {
+		if !bytes.Equal(p.dstBlock(li[i]), p.srcBlock(ri[i])) {
+			t.Fatalf("%s: local block %d differs from remote block %d", what, li[i], ri[i])
+		}
+	}
+}
+
 func (p *shmPair) srcBlock(i int32) []byte {
 	off := int(p.region.Addr-addrOf(p.src)) + int(i)*p.block
 	return p.src[off : off+p.block]
@@ -250,17 +267,7 @@ func TestShmReadWriteUnaligned(t *testing.T) {
 	if moved != xi.bytes {
 		t.Fatalf("split operations move %d bytes, the transfer has %d", moved, xi.bytes)
 	}
-	if _, err := x.Post(); err != nil {
-		t.Fatal(err)
-	}
-	if st, err := wait(t, x, p.owner, 30*time.Second); st != nixl.Success {
-		t.Fatalf("READ: %v %v", st, err)
-	}
-	for i := range li {
-		if !bytes.Equal(p.dstBlock(li[i]), p.srcBlock(ri[i])) {
-			t.Fatalf("READ: local block %d differs from remote block %d", li[i], ri[i])
-		}
-	}
+	p.run(t, "READ", x, li, ri)
 	if n := waitNotif(t, p.owner, nil, 30*time.Second); n.Agent != "shm-pair-reader" || string(n.Msg) != "shm" {
 		t.Fatalf("owner got notification %q from %q", n.Msg, n.Agent)
 	}
@@ -268,17 +275,7 @@ func TestShmReadWriteUnaligned(t *testing.T) {
 	// WRITE back a new pattern.
 	rand.New(rand.NewSource(4)).Read(p.dst)
 	w, li, ri := p.xfer(t, nixl.Write)
-	if _, err := w.Post(); err != nil {
-		t.Fatal(err)
-	}
-	if st, err := wait(t, w, p.owner, 30*time.Second); st != nixl.Success {
-		t.Fatalf("WRITE: %v %v", st, err)
-	}
-	for i := range li {
-		if !bytes.Equal(p.dstBlock(li[i]), p.srcBlock(ri[i])) {
-			t.Fatalf("WRITE: remote block %d differs from local block %d", ri[i], li[i])
-		}
-	}
+	p.run(t, "WRITE", w, li, ri)
 }
 
 // TestShmRevokedRegionFails: once the owner deregisters a region, a reader
@@ -377,17 +374,7 @@ func TestShmReaderWithoutShm(t *testing.T) {
 			if x.(*xfer).ctls != nil {
 				t.Fatal("a non-shm reader mapped the region")
 			}
-			if _, err := x.Post(); err != nil {
-				t.Fatal(err)
-			}
-			if st, err := wait(t, x, p.owner, 30*time.Second); st != nixl.Success {
-				t.Fatalf("READ: %v %v", st, err)
-			}
-			for i := range li {
-				if !bytes.Equal(p.dstBlock(li[i]), p.srcBlock(ri[i])) {
-					t.Fatalf("local block %d differs from remote block %d", li[i], ri[i])
-				}
-			}
+			p.run(t, "READ", x, li, ri)
 		})
 	}
 }
