@@ -3,7 +3,8 @@
 
 Runs the same transfers as the Go benchmark through NIXL's own Python API
 (nixl._api.nixl_agent, or nixl_cuXX._api to match the flavour Go loaded):
-two processes (this one initiates, a spawned child is the target), one
+two processes (this one initiates; the target is this script again with
+--target-only, the same target program gonixl's initiator reads from), one
 region of --cap bytes per side, for every (op, block size, batch size) the
 same index arrays as the Go side, and per iteration the steps vLLM's
 NixlConnector takes: make_prepped_xfer (with a notification), transfer,
@@ -24,8 +25,8 @@ Usage (normally started by gonixl-bench):
 import argparse
 import importlib
 import json
-import multiprocessing as mp
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -69,22 +70,12 @@ def make_target(module, cap, progress, thp):
     return agent, buf, reg
 
 
-def target(conn, module, cap, progress, thp):
-    agent, buf, reg = make_target(module, cap, progress, thp)
-    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
-    while True:
-        if conn.poll(0.001):
-            conn.recv()
-            break
-        agent.get_new_notifs()
-    agent.deregister_memory(reg)
-    conn.send("bye")
-
-
 def target_stdio(args):
-    """--target-only: the same target for another initiator (gonixl-bench
-    transfer -target python): one JSON line {"md": hex, "base": address} on
-    stdout, then notifications drained every millisecond until stdin closes."""
+    """--target-only: the target process, for this script's own initiator
+    and for gonixl's (gonixl-bench transfer -target python), so that both
+    read from and write into the very same program: one JSON line
+    {"md": hex, "base": address} on stdout, then notifications drained every
+    millisecond until stdin closes."""
     agent, buf, reg = make_target(args.module, args.cap, bool(args.progress_thread), bool(args.thp))
     print(json.dumps({"md": agent.get_agent_metadata().hex(), "base": buf.ctypes.data}), flush=True)
     done = threading.Event()
@@ -132,14 +123,29 @@ def measure(agent, args, lists, remote, remote_base, buf, op, bs, batch):
             "make_ns": makes, "post_ns": posts, "xfer_ns": xfers, "release_ns": rels}
 
 
+def start_target(args):
+    """Start this script with --target-only (the program gonixl's initiator
+    starts too) and return the process, its metadata and region address."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--target-only", "--module", args.module,
+           "--cap", str(args.cap), "--progress-thread", str(args.progress_thread), "--thp", str(args.thp)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    for line in proc.stdout:
+        try:
+            hello = json.loads(line)
+        except ValueError:
+            continue  # not ours (a library printing to stdout)
+        if isinstance(hello, dict) and "md" in hello:
+            # The rest of its stdout is logs: keep the pipe drained.
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return proc, bytes.fromhex(hello["md"]), int(hello["base"])
+    proc.wait(30)
+    raise RuntimeError("target exited before it was ready (status %s)" % proc.returncode)
+
+
 def run(args):
     api = load_api(args.module)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, args.module, args.cap, bool(args.progress_thread), bool(args.thp)))
-    proc.start()
+    proc, md, remote_base = start_target(args)
     try:
-        md, remote_base = parent.recv()
         cfg = api.nixl_agent_config(enable_prog_thread=bool(args.progress_thread), backends=["UCX"],
                                     capture_telemetry=True)
         agent = api.nixl_agent("py-bench-init-%d" % os.getpid(), cfg)
@@ -171,14 +177,12 @@ def run(args):
         agent.deregister_memory(reg)
         agent.remove_remote_agent(remote)
     finally:
-        parent.send("stop")
+        proc.stdin.close()  # the target deregisters and exits
         try:
-            parent.recv()
-        except EOFError:
-            pass
-        proc.join(30)
-        if proc.is_alive():
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
 
 
 def main():

@@ -840,6 +840,12 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 	defer closeGroups()
 	rep := report{Command: "gonixl-bench transfer " + strings.Join(args, " "), Engine: o.engine}
 	pyWanted := o.python != "none" && o.engine != "fake"
+	// Every process of both groups gets the UCX setting vLLM makes for
+	// NIXL-Python (vllm/distributed/nixl_utils.py) and nixl/libnixl makes
+	// for gonixl; without this only gonixl's group had it.
+	if _, ok := os.LookupEnv("UCX_RCACHE_MAX_UNRELEASED"); !ok {
+		_ = os.Setenv("UCX_RCACHE_MAX_UNRELEASED", "1024")
+	}
 	if o.target == "auto" {
 		o.target = "go"
 		if pyWanted && o.engine == "nixl" {
@@ -850,24 +856,49 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 	// it measures. With -fresh every round gets new processes (new memory):
 	// on this VM a region's bandwidth depends on where its pages landed, and
 	// a process keeps its luck for its whole life.
-	startGroups := func() error {
-		var err error
-		if goG, err = startGoGroup(o, stderr); err != nil {
-			return err
+	// The two groups start one after the other, gonixl's first in even
+	// rounds and NIXL-Python's first in odd ones, so that neither always
+	// gets the memory freed by the round before.
+	startGroups := func(round int) error {
+		startGo := func() error {
+			var err error
+			if goG, err = startGoGroup(o, stderr); err != nil {
+				return err
+			}
+			goG.pause()
+			rep.Info = goG.info["engine"]
+			return nil
 		}
-		goG.pause()
-		rep.Info = goG.info["engine"]
-		if pyWanted {
-			if py, rep.PyInfo, err = startPython(o, pythonModule(rep.Info), stderr); err != nil {
+		startPy := func() {
+			if !pyWanted {
+				return
+			}
+			info := rep.Info
+			if info == "" { // NIXL-Python starts first: the module Go would load
+				if e, err := nixl.Lookup(o.engine); err == nil {
+					info = e.Info()
+				}
+			}
+			var err error
+			if py, rep.PyInfo, err = startPython(o, pythonModule(info), stderr); err != nil {
 				fmt.Fprintf(stderr, "NIXL-Python comparison skipped: %v\n", err)
 				pyWanted = false
 			} else {
 				py.pause()
 			}
 		}
+		if round%2 == 1 {
+			startPy()
+		}
+		if err := startGo(); err != nil {
+			return err
+		}
+		if round%2 == 0 {
+			startPy()
+		}
 		return nil
 	}
-	if err := startGroups(); err != nil {
+	if err := startGroups(0); err != nil {
 		return err
 	}
 	fmt.Fprintf(stdout, "engine %s: %s\npattern %s, progress thread %v, cap %d MiB a side, huge pages %v\n",
@@ -877,7 +908,7 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 	for round := 0; round < o.rounds; round++ {
 		if round > 0 && o.fresh {
 			closeGroups()
-			if err := startGroups(); err != nil {
+			if err := startGroups(round); err != nil {
 				return err
 			}
 		}
