@@ -1060,14 +1060,15 @@ func printReport(w io.Writer, rep *report) {
 	fmt.Fprintln(tw, "op\tblock\tbatch\titers\tGB/s\tGB/s mean\tmake µs\tpost µs\txfer µs p50\txfer µs p99\trelease µs\tpy GB/s\tpy GB/s mean\tpy make µs\tpy post µs\tpy xfer µs\tratio\tpaired\tpaired min–max\t")
 	for _, r := range rep.Go {
 		line := fmt.Sprintf("%s\t%s\t%d\t%d\t%.3f\t%.3f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t", r.Op, sizeStr(r.Block), r.Batch, r.Iters, r.GBps, r.GBpsMean, r.MakeUs, r.PostUs, r.XferUs, r.XferP99Us, r.ReleaseUs)
+		// Ratios with three decimals: a 0.946 must not print as 0.95.
 		if p, ok := py[fmt.Sprintf("%s/%d/%d", r.Op, r.Block, r.Batch)]; ok && p.GBps > 0 {
-			line += fmt.Sprintf("%.3f\t%.3f\t%.1f\t%.1f\t%.1f\t%.2f\t", p.GBps, p.GBpsMean, p.MakeUs, p.PostUs, p.XferUs, r.GBps/p.GBps)
+			line += fmt.Sprintf("%.3f\t%.3f\t%.1f\t%.1f\t%.1f\t%.3f\t", p.GBps, p.GBpsMean, p.MakeUs, p.PostUs, p.XferUs, r.GBps/p.GBps)
 			if pr := rep.Paired[comboKey(r)]; len(pr) > 0 {
 				lo, hi := pr[0], pr[0]
 				for _, x := range pr {
 					lo, hi = min(lo, x), max(hi, x)
 				}
-				line += fmt.Sprintf("%.2f\t%.2f–%.2f\t", medianOf(pr), lo, hi)
+				line += fmt.Sprintf("%.3f\t%.2f–%.2f\t", medianOf(pr), lo, hi)
 			} else {
 				line += "-\t-\t"
 			}
