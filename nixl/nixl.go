@@ -197,6 +197,11 @@ type AgentConfig struct {
 	BackendParams map[string]map[string]string
 	// ProgressThread lets the engine progress transfers on its own thread.
 	ProgressThread bool
+	// ProgressDelay is how long that thread waits for an event before it
+	// progresses everything anyway (NIXL's pthrDelay). Zero makes NIXL's UCX
+	// progress thread poll without waiting: a busy loop that takes a whole
+	// core (what NIXL's Python API always asks for).
+	ProgressDelay time.Duration
 	// NumThreads > 0 is passed to backends as num_threads.
 	NumThreads int
 	// Telemetry requests per-transfer telemetry (vLLM always asks for it).

@@ -56,6 +56,7 @@ type Config struct {
 	SideChannelSecret      string   `json:"-"` // gonixl: optional HMAC secret
 	TransferTimeout        float64  `json:"-"` // gonixl: seconds a READ may stay in flight
 	HandshakeTimeout       float64  `json:"-"` // gonixl: seconds a whole handshake may take
+	ProgressDelayUs        int      `json:"-"` // gonixl: NIXL progress thread's wait for an event, µs
 
 	// Worker-side facts the Python connector reads from vLLM's config.
 	CompatFactors map[string]any `json:"compat_factors"`
@@ -173,6 +174,16 @@ func (c *Config) applyDefaults() error {
 	}
 	if c.TransferTimeout <= 0 || c.HandshakeTimeout <= 0 {
 		return fmt.Errorf("config: transfer_timeout and handshake_timeout must be positive")
+	}
+	// NIXL's Python API (and so vLLM) runs the UCX progress thread with a
+	// zero delay: it polls without sleeping and takes a core per worker even
+	// when idle. 1 ms lets it sleep in poll() until UCX signals an event, and
+	// progress everything at least every millisecond.
+	if c.ProgressDelayUs, err = x.int("progress_thread_delay_us", 1000); err != nil {
+		return err
+	}
+	if c.ProgressDelayUs < 0 {
+		return fmt.Errorf("config: progress_thread_delay_us must not be negative, got %d", c.ProgressDelayUs)
 	}
 	return nil
 }

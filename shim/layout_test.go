@@ -99,14 +99,20 @@ func TestConfigDefaultsAndErrors(t *testing.T) {
 	}
 	if c.KVLeaseDuration != 12 || !c.BidirectionalKVXfer || c.KVRecomputeThreshold != 64 || len(c.Backends) != 2 ||
 		c.NumThreads != 4 || c.EngineTTL != 3600 || c.DecoderKVBlocksTTL != 480 || c.KVLoadFailurePolicy != "fail" ||
-		c.SideChannelHost != "localhost" || c.SideChannelPort != 5600 || c.TransferEngine != "auto" || !c.EnforceHandshakeCompat {
+		c.SideChannelHost != "localhost" || c.SideChannelPort != 5600 || c.TransferEngine != "auto" || !c.EnforceHandshakeCompat ||
+		c.ProgressDelayUs != 1000 {
 		t.Fatalf("defaults: %+v", c)
+	}
+	if c, err := ParseConfig([]byte(`{"role":"worker","kv_role":"kv_consumer","engine_id":"e",
+		"kv_connector_extra_config":{"progress_thread_delay_us":"0"}}`)); err != nil || c.ProgressDelayUs != 0 {
+		t.Fatalf("progress_thread_delay_us \"0\": %v, %+v", err, c)
 	}
 	for _, bad := range []string{
 		`{"role":"worker","kv_role":"kv_consumer","engine_id":"e","tp_size":2,"tp_rank":2}`,
 		`{"role":"worker","kv_role":"kv_consumer","engine_id":"e","kv_connector_extra_config":{"num_threads":1.5}}`,
 		`{"role":"worker","kv_role":"kv_consumer","engine_id":"e","kv_connector_extra_config":{"kv_lease_duration":-1}}`,
 		`{"role":"worker","kv_role":"kv_consumer","engine_id":"e","side_channel_port":70000}`,
+		`{"role":"worker","kv_role":"kv_consumer","engine_id":"e","kv_connector_extra_config":{"progress_thread_delay_us":-5}}`,
 	} {
 		if _, err := ParseConfig([]byte(bad)); err == nil {
 			t.Errorf("accepted %s", bad)

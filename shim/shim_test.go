@@ -699,3 +699,26 @@ func TestHeartbeatAfterExpiryDoesNotReviveLease(t *testing.T) {
 		t.Fatalf("a heartbeat revived an ended lease: %+v", f)
 	}
 }
+
+// The worker creates its agent with a progress thread that sleeps between
+// events (progress_thread_delay_us, default 1 ms), not NIXL-Python's busy one.
+func TestWorkerAgentProgressDelay(t *testing.T) {
+	for _, tc := range []struct {
+		extra map[string]any
+		want  time.Duration
+	}{
+		{nil, time.Millisecond},
+		{map[string]any{"progress_thread_delay_us": 250}, 250 * time.Microsecond},
+		{map[string]any{"progress_thread_delay_us": 0}, 0},
+	} {
+		eng := nixltest.NewEngine("t")
+		newSide(t, eng, "kv_producer", "engine-p", nil, 1, tc.extra)
+		ags := eng.Agents()
+		if len(ags) != 1 {
+			t.Fatalf("%v: %d agents", tc.extra, len(ags))
+		}
+		if cfg := ags[0].Config(); !cfg.ProgressThread || cfg.ProgressDelay != tc.want {
+			t.Errorf("%v: agent config progress thread %v delay %v, want true %v", tc.extra, cfg.ProgressThread, cfg.ProgressDelay, tc.want)
+		}
+	}
+}

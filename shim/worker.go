@@ -172,6 +172,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 		Name:           fmt.Sprintf("%s-pp%d-tp%d-%s", w.cfg.EngineID, w.cfg.PPRank, w.cfg.TPRank, randomSuffix()),
 		Backends:       w.cfg.Backends,
 		ProgressThread: true,
+		ProgressDelay:  time.Duration(w.cfg.ProgressDelayUs) * time.Microsecond,
 		NumThreads:     w.cfg.NumThreads,
 		Telemetry:      true,
 	})

@@ -58,6 +58,7 @@ type transferOpts struct {
 	maxIters      int
 	pattern       string
 	progress      bool
+	progressDelay time.Duration
 	python        string
 	target        string // "go", "python" or "auto"
 	pyModule      string // NIXL-Python module for -target python (set by the orchestrator)
@@ -118,6 +119,7 @@ func parseTransferFlags(args []string, stderr io.Writer) (*transferOpts, error) 
 	fs.IntVar(&o.maxIters, "max-iters", 2000, "maximum iterations per (op, block, batch)")
 	fs.StringVar(&o.pattern, "pattern", "scattered", "index pattern: scattered (no merging), contiguous (NIXL merges) or same (every descriptor block 1 on both sides: ucx_perftest's footprint, one message buffer a side reused by every operation)")
 	fs.BoolVar(&o.progress, "progress-thread", true, "engine progress thread (vLLM runs NIXL with it)")
+	fs.DurationVar(&o.progressDelay, "progress-delay", 0, "gonixl's progress thread waits this long for an event between sweeps (NIXL's pthrDelay; 0, as NIXL-Python always uses: busy polling; the shim's default is 1ms). The Python target and NIXL-Python keep 0")
 	fs.StringVar(&o.python, "python", "", "python for the NIXL-Python run (default: the project's .venv); \"none\" skips it")
 	fs.StringVar(&o.target, "target", "auto", "gonixl's target process: go (this binary), python (bench/nixl_python_bench.py --target-only, the program NIXL-Python reads from; engine nixl only) or auto (python for engine nixl when the comparison runs, else go)")
 	fs.StringVar(&o.pyModule, "py-module", "", "NIXL-Python module for -target python (default: from the engine's library path)")
@@ -291,6 +293,7 @@ func newBenchAgent(o *transferOpts, role string) (nixl.Agent, nixl.Engine, error
 		Name:           fmt.Sprintf("gonixl-bench-%s-%d", role, os.Getpid()),
 		Backends:       []string{"UCX"},
 		ProgressThread: o.progress,
+		ProgressDelay:  o.progressDelay,
 		Telemetry:      true,
 	})
 	return a, e, err
@@ -450,7 +453,7 @@ func startInitiator(o *transferOpts, stderr io.Writer) (*initiator, error) {
 			return nil, err
 		}
 		cmd = exec.Command(exe, "transfer", "-role", "target", "-engine", o.engine, "-cap", strconv.Itoa(o.capBytes),
-			"-progress-thread="+strconv.FormatBool(o.progress), "-thp="+strconv.FormatBool(o.thp))
+			"-progress-thread="+strconv.FormatBool(o.progress), "-progress-delay="+o.progressDelay.String(), "-thp="+strconv.FormatBool(o.thp))
 	}
 	cmd.Stderr = stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}

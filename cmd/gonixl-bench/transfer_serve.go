@@ -181,7 +181,7 @@ func startGoGroup(o *transferOpts, stderr io.Writer) (*procGroup, error) {
 		return nil, err
 	}
 	args := []string{"transfer", "-role", "serve", "-engine", o.engine, "-cap", strconv.Itoa(o.capBytes),
-		"-progress-thread=" + strconv.FormatBool(o.progress), "-pattern", o.pattern, "-thp=" + strconv.FormatBool(o.thp),
+		"-progress-thread=" + strconv.FormatBool(o.progress), "-progress-delay=" + o.progressDelay.String(), "-pattern", o.pattern, "-thp=" + strconv.FormatBool(o.thp),
 		"-min-time", o.minTime.String(), "-min-iters", strconv.Itoa(o.minIters), "-max-iters", strconv.Itoa(o.maxIters),
 		"-target", o.target, "-python", o.python, "-script", o.script}
 	g, err := startGroup("gonixl initiator", exec.Command(exe, args...), stderr)

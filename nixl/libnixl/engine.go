@@ -92,7 +92,11 @@ func (e Engine) NewAgent(cfg nixl.AgentConfig) (nixl.Agent, error) {
 	if cfg.Telemetry {
 		tel = 1
 	}
-	if s := C.gxnixl_agent_new(cname, C.int(prog), 0, C.int(tel), 0, &h); s != 0 {
+	if cfg.ProgressDelay < 0 {
+		return nil, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "negative progress delay %v", cfg.ProgressDelay)
+	}
+	delayUs := uint64(cfg.ProgressDelay / time.Microsecond)
+	if s := C.gxnixl_agent_new(cname, C.int(prog), 0, C.int(tel), C.uint64_t(delayUs), &h); s != 0 {
 		return nil, statusErr("NewAgent", s, "creating agent %q", cfg.Name)
 	}
 	a := &agent{h: h, name: cfg.Name, cfg: cfg, lists: map[*descList]struct{}{}, xfers: map[*xfer]struct{}{}}

@@ -3,10 +3,13 @@ package libnixl
 import (
 	"errors"
 	"flag"
+	"fmt"
 	"os"
 	"os/exec"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/nixl/internal/conformance"
@@ -72,6 +75,69 @@ func TestConformance(t *testing.T) {
 func TestConformanceProgressThread(t *testing.T) {
 	requireNIXL(t)
 	conformance.RunInProcess(t, conformance.Config{Engine: "nixl", Agent: nixl.AgentConfig{ProgressThread: true}})
+}
+
+// The whole suite, two processes included, with the progress thread as the
+// shim runs it: sleeping in poll() until UCX signals an event, at most 1 ms.
+func TestConformanceProgressDelay(t *testing.T) {
+	requireNIXL(t)
+	conformance.RunConfig(t, conformance.Config{Engine: "nixl", Agent: nixl.AgentConfig{ProgressThread: true, ProgressDelay: time.Millisecond}})
+}
+
+// An idle agent's progress thread: with a zero delay (NIXL-Python's
+// setting) it polls without sleeping and takes about a core; with the
+// shim's 1 ms it sleeps. Measured in child processes, each with one agent
+// and nothing else running: CPU time (user+system) over one second.
+func TestProgressDelayIdleCPU(t *testing.T) {
+	if d := os.Getenv("GONIXL_TEST_IDLE_CPU_CHILD"); d != "" {
+		delay, err := time.ParseDuration(d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ag, err := (Engine{}).NewAgent(nixl.AgentConfig{Name: "idle-" + d, ProgressThread: true, ProgressDelay: delay})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ag.Close()
+		time.Sleep(200 * time.Millisecond)
+		before, start := cpuTime(t), time.Now()
+		time.Sleep(time.Second)
+		fmt.Printf("idle-cpu %.3f\n", (cpuTime(t)-before).Seconds()/time.Since(start).Seconds())
+		return
+	}
+	requireNIXL(t)
+	measure := func(delay time.Duration) float64 {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestProgressDelayIdleCPU$", "-test.v")
+		cmd.Env = append(os.Environ(), "GONIXL_TEST_IDLE_CPU_CHILD="+delay.String())
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("child (delay %v): %v\n%s", delay, err, out)
+		}
+		var v float64
+		for _, l := range strings.Split(string(out), "\n") {
+			if _, err := fmt.Sscanf(l, "idle-cpu %f", &v); err == nil {
+				return v
+			}
+		}
+		t.Fatalf("child (delay %v) printed no measurement:\n%s", delay, out)
+		return 0
+	}
+	busy, slept := measure(0), measure(time.Millisecond)
+	t.Logf("idle agent, CPU per second: delay 0 %.3f, delay 1ms %.3f", busy, slept)
+	if slept > 0.25 {
+		t.Errorf("with a 1 ms progress delay an idle agent used %.2f CPU-seconds per second; want < 0.25", slept)
+	}
+	if busy < 2*slept {
+		t.Errorf("delay 0 used %.3f CPU-s/s, delay 1ms %.3f: the delay did not reach NIXL's progress thread", busy, slept)
+	}
+}
+
+func cpuTime(t *testing.T) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		t.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 func TestBackendsMissingPlugin(t *testing.T) {

@@ -80,10 +80,10 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_NIXL_S
 # or the engines' background threads (gonixl's handshakes among them) starve.
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE VLLM_CPU_OMP_THREADS_BIND=nobind
 
-# The transfer engine: gonixl's UCX engine by default. With the NIXL engine
-# (GONIXL_E2E_ENGINE=nixl or auto) a decode engine has been seen to stall
-# for ~30 s before its READ on this loaded 2-core host (see the issue notes);
-# gonixl then refuses the lapsed lease instead of reading stale blocks.
+# The transfer engine: gonixl's UCX engine by default; GONIXL_E2E_ENGINE=nixl
+# (or auto) runs NIXL. NIXL's progress thread used to spin a core per worker
+# here and stall decodes ~30 s; gonixl now gives it a 1 ms delay
+# (progress_thread_delay_us, docs/ENVIRONMENT.md).
 kv_config() {
   printf '{"kv_connector":"GoNixlConnector","kv_connector_module_path":"gonixl.vllm","kv_role":"%s","kv_connector_extra_config":{"transfer_engine":"%s"}}' \
     "$1" "${GONIXL_E2E_ENGINE:-ucx}"
