@@ -92,6 +92,10 @@ cmd_test() {
   # (the prefill's KV cache re-backed by a memfd that the decode maps).
   log "e2e: tests/e2e/run_accuracy_test.sh with GONIXL_UCX_DATA_PATH=shm"
   GONIXL_UCX_DATA_PATH=shm bash tests/e2e/run_accuracy_test.sh
+  # And over real NIXL (transfer_engine nixl, its progress thread with the
+  # shim's 1 ms delay; docs/ENVIRONMENT.md).
+  log "e2e: tests/e2e/run_accuracy_test.sh with GONIXL_E2E_ENGINE=nixl"
+  GONIXL_E2E_ENGINE=nixl bash tests/e2e/run_accuracy_test.sh
 }
 
 ## demo: the main job (setup and build first)

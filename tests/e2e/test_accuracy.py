@@ -170,3 +170,17 @@ def test_shm_data_path_used(examples, runs):
     print("prefill:", shared and shared.group(0), "| decode:", mapped and mapped.group(0))
     assert shared and int(shared.group(1)) == int(shared.group(2)) > 0
     assert mapped and int(mapped.group(1)) == int(mapped.group(2)) > 0
+
+
+def test_transfer_engine_used(examples, runs):
+    # Both workers must run the engine the run asked for (GONIXL_E2E_ENGINE,
+    # default ucx): a silent fallback would make the run test another engine.
+    want = os.environ.get("GONIXL_E2E_ENGINE", "ucx")
+    for name in ("GONIXL_E2E_PREFILL_LOG", "GONIXL_E2E_DECODE_LOG"):
+        with open(os.environ[name], errors="replace") as f:
+            log = f.read()
+        engines = re.findall(r'transfer engine selected\s+\{.*?"engine": "(\w+)"', log)
+        print(name, "engines:", engines)
+        assert engines, f"no 'transfer engine selected' line in {name}"
+        if want != "auto":
+            assert set(engines) == {want}, f"{name}: engines {engines}, want {want}"
