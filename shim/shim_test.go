@@ -11,6 +11,9 @@ import (
 
 	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/nixl/nixltest"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 const (
@@ -681,7 +684,7 @@ func TestHeartbeatAfterExpiryDoesNotReviveLease(t *testing.T) {
 	d.sched.OnNewRequest("req-dg", dp)
 	// Heartbeats sent after the lease ended (the first one handshakes).
 	deadline := time.Now().Add(10 * time.Second)
-	for len(d.work.remotes) == 0 && time.Now().Before(deadline) {
+	for numRemotes(d.work) == 0 && time.Now().Before(deadline) {
 		d.step(t)
 		time.Sleep(2 * time.Millisecond)
 	}
@@ -721,4 +724,54 @@ func TestWorkerAgentProgressDelay(t *testing.T) {
 			t.Errorf("%v: agent config progress thread %v delay %v, want true %v", tc.extra, cfg.ProgressThread, cfg.ProgressDelay, tc.want)
 		}
 	}
+}
+
+// A READ in flight for slowReadAfter seconds is logged once, and again
+// when it completes, so that a stall is visible before transfer_timeout.
+func TestSlowReadLogged(t *testing.T) {
+	clock := NewFakeClock(100)
+	eng := nixltest.NewEngine("t")
+	eng.SetScript(nixltest.Script{Polls: 1000000})
+	extra := map[string]any{"kv_lease_duration": 60, "transfer_timeout": 1000}
+	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, extra)
+	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, extra)
+	core, logs := observer.New(zapcore.InfoLevel)
+	d.work.mu.Lock()
+	d.work.log = zap.New(core)
+	d.work.mu.Unlock()
+	out := prefill(t, p, "req-slow", []int64{3}, 8)
+	decodeLoad(t, d, "req-dslow", out, []int64{9})
+	deadline := time.Now().Add(10 * time.Second)
+	for makeCalls(eng) == 0 && time.Now().Before(deadline) {
+		time.Sleep(2 * time.Millisecond)
+	}
+	d.finished(t)
+	clock.Advance(slowReadAfter - 1)
+	d.finished(t)
+	if n := logs.FilterMessage("READ still in flight").Len(); n != 0 {
+		t.Fatalf("logged after %gs in flight", slowReadAfter-1)
+	}
+	clock.Advance(2)
+	d.finished(t)
+	d.finished(t)
+	if n := logs.FilterMessage("READ still in flight").Len(); n != 1 {
+		t.Fatalf("%d 'still in flight' lines after %gs, want 1", n, slowReadAfter+1)
+	}
+	eng.Agent(d.work.agent.Name()).SetScript(nixltest.Script{Polls: 0})
+	f := d.waitFinished(t, "completion", func(f Finished) bool { return contains(f.Recving, "req-dslow") })
+	if contains(f.Failed, "req-dslow") {
+		t.Fatalf("slow READ failed: %+v", f)
+	}
+	done := logs.FilterMessage("slow READ completed").All()
+	if len(done) != 1 || done[0].ContextMap()["request_id"] != "req-dslow" {
+		t.Fatalf("completion lines %v", done)
+	}
+}
+
+// numRemotes reads the worker's remote table under its lock (the handshake
+// goroutine writes it).
+func numRemotes(w *Worker) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.remotes)
 }

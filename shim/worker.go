@@ -102,8 +102,15 @@ type recvState struct {
 
 type inflight struct {
 	x        nixl.Xfer
+	posted   float64 // this worker's clock
 	deadline float64
+	slow     bool // "still in flight" was logged
 }
+
+// slowReadAfter is how long a READ may stay in flight before the worker logs
+// it (once, then again when it ends): READs take milliseconds, and a stall
+// is otherwise invisible until transfer_timeout or the lease fails it.
+const slowReadAfter = 5.0 // seconds
 
 // NewWorker validates cfg and creates the worker side. clock may be nil.
 // The transfer agent is created by RegisterKVCaches, when the memory type
@@ -394,7 +401,8 @@ func (w *Worker) readLocked(st *recvState) {
 		w.dropRemoteOnDisconnect(re, err)
 		return
 	}
-	st.xfers = append(st.xfers, &inflight{x: x, deadline: w.clock() + w.cfg.TransferTimeout})
+	now := w.clock()
+	st.xfers = append(st.xfers, &inflight{x: x, posted: now, deadline: now + w.cfg.TransferTimeout})
 }
 
 // pairBlocks validates and pairs local and remote block ids (group 0; the
@@ -727,6 +735,10 @@ func (w *Worker) pollTransfersLocked() {
 			status, err := f.x.Check()
 			switch {
 			case err == nil && status == nixl.Success:
+				if f.slow {
+					w.log.Warn("slow READ completed", zap.String("request_id", st.id),
+						zap.String("remote_engine_id", st.meta.Remote.EngineID), zap.Float64("seconds", now-f.posted))
+				}
 				if t, ts := f.x.Telemetry(); ts == nixl.Success {
 					w.stats.RecordTransfer(t.XferDur.Seconds(), t.PostDur.Seconds(), t.Bytes, t.DescCount)
 				}
@@ -741,6 +753,12 @@ func (w *Worker) pollTransfersLocked() {
 					w.failLocked(st, "kv_lease_expired", fmt.Sprintf("READ completed %.1fs after the remote lease ended (%s); the data may be stale", -left, w.leaseDetail(st)), nil)
 				}
 			case err == nil && status == nixl.InProgress:
+				if !f.slow && now-f.posted >= slowReadAfter {
+					f.slow = true
+					w.log.Warn("READ still in flight", zap.String("request_id", st.id),
+						zap.String("remote_engine_id", st.meta.Remote.EngineID), zap.Float64("seconds", now-f.posted),
+						zap.Int("local_blocks", st.meta.LocalBlockIDs.Count()), zap.Float64("transfer_timeout", w.cfg.TransferTimeout))
+				}
 				if now >= f.deadline {
 					// Bounded wait: cancel. If the engine cannot cancel, the
 					// blocks stay ours until it can (no silent reuse).
