@@ -608,20 +608,29 @@ func TestDecodeRefusesLapsedLease(t *testing.T) {
 	}
 }
 
-func TestDecodeFailsReadCompletingAfterLease(t *testing.T) {
+// stuckRead starts a prefill and a decode on a fake clock (lease seconds,
+// transfer_timeout 1000 s), prefills preq, loads it as dreq and returns once
+// the decode's READ is posted (after the background handshake). The READ
+// stays in flight until the test sets the decode agent's script to Polls: 0.
+func stuckRead(t *testing.T, lease float64, preq, dreq string) (*FakeClock, *nixltest.Engine, *side, *side) {
+	t.Helper()
 	clock := NewFakeClock(100)
 	eng := nixltest.NewEngine("t")
-	eng.SetScript(nixltest.Script{Polls: 1000000}) // stays in flight until we let it finish
-	extra := map[string]any{"kv_lease_duration": 30, "transfer_timeout": 1000}
+	eng.SetScript(nixltest.Script{Polls: 1000000})
+	extra := map[string]any{"kv_lease_duration": lease, "transfer_timeout": 1000}
 	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, extra)
 	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, extra)
-	out := prefill(t, p, "req-slow", []int64{3}, 8)
-	decodeLoad(t, d, "req-ds", out, []int64{9})
-	// Wait for the READ to be posted (after the background handshake).
+	out := prefill(t, p, preq, []int64{3}, 8)
+	decodeLoad(t, d, dreq, out, []int64{9})
 	deadline := time.Now().Add(10 * time.Second)
 	for makeCalls(eng) == 0 && time.Now().Before(deadline) {
 		time.Sleep(2 * time.Millisecond)
 	}
+	return clock, eng, p, d
+}
+
+func TestDecodeFailsReadCompletingAfterLease(t *testing.T) {
+	clock, eng, _, d := stuckRead(t, 30, "req-slow", "req-ds") // in flight until we let it finish
 	clock.Advance(31) // the prefill's lease lapses while the READ is in flight
 	eng.Agent(d.work.agent.Name()).SetScript(nixltest.Script{Polls: 0})
 	f := d.waitFinished(t, "late completion", func(f Finished) bool { return contains(f.Recving, "req-ds") })
@@ -634,18 +643,7 @@ func TestDecodeFailsReadCompletingAfterLease(t *testing.T) {
 }
 
 func TestHeartbeatsKeepLeaseForDecode(t *testing.T) {
-	clock := NewFakeClock(100)
-	eng := nixltest.NewEngine("t")
-	eng.SetScript(nixltest.Script{Polls: 1000000})
-	extra := map[string]any{"kv_lease_duration": 30, "transfer_timeout": 1000}
-	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, extra)
-	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, extra)
-	out := prefill(t, p, "req-hb", []int64{3}, 8)
-	decodeLoad(t, d, "req-dh", out, []int64{9})
-	deadline := time.Now().Add(10 * time.Second)
-	for makeCalls(eng) == 0 && time.Now().Before(deadline) {
-		time.Sleep(2 * time.Millisecond)
-	}
+	clock, eng, p, d := stuckRead(t, 30, "req-hb", "req-dh")
 	// Heartbeats every 5 s keep both sides' view of the lease alive well
 	// past the original 30 s.
 	for i := 0; i < 8; i++ {
@@ -729,22 +727,11 @@ func TestWorkerAgentProgressDelay(t *testing.T) {
 // A READ in flight for slowReadAfter seconds is logged once, and again
 // when it completes, so that a stall is visible before transfer_timeout.
 func TestSlowReadLogged(t *testing.T) {
-	clock := NewFakeClock(100)
-	eng := nixltest.NewEngine("t")
-	eng.SetScript(nixltest.Script{Polls: 1000000})
-	extra := map[string]any{"kv_lease_duration": 60, "transfer_timeout": 1000}
-	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, extra)
-	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, extra)
+	clock, eng, _, d := stuckRead(t, 60, "req-slow", "req-dslow")
 	core, logs := observer.New(zapcore.InfoLevel)
 	d.work.mu.Lock()
 	d.work.log = zap.New(core)
 	d.work.mu.Unlock()
-	out := prefill(t, p, "req-slow", []int64{3}, 8)
-	decodeLoad(t, d, "req-dslow", out, []int64{9})
-	deadline := time.Now().Add(10 * time.Second)
-	for makeCalls(eng) == 0 && time.Now().Before(deadline) {
-		time.Sleep(2 * time.Millisecond)
-	}
 	d.finished(t)
 	clock.Advance(slowReadAfter - 1)
 	d.finished(t)

@@ -890,16 +890,7 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 				py.pause()
 			}
 		}
-		if round%2 == 1 {
-			startPy()
-		}
-		if err := startGo(); err != nil {
-			return err
-		}
-		if round%2 == 0 {
-			startPy()
-		}
-		return nil
+		return byRound(round, startGo, startPy)
 	}
 	if err := startGroups(0); err != nil {
 		return err
@@ -939,14 +930,8 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 				rep.Python = keepBest(rep.Python, []result{r})
 				pyR = r
 			}
-			if round%2 == 1 {
-				runPy()
-			}
-			if err := runGo(); err != nil {
+			if err := byRound(round, runGo, runPy); err != nil {
 				return err
-			}
-			if round%2 == 0 {
-				runPy()
 			}
 			if goR.GBps > 0 && pyR.GBps > 0 {
 				if rep.Paired == nil {
@@ -992,6 +977,21 @@ func runTransfer(args []string, stdout, stderr io.Writer) error {
 	}
 	printReport(stdout, &rep)
 	return writeReportJSON(o.jsonOut, &rep)
+}
+
+// byRound runs gonixl's step and NIXL-Python's in the round's order:
+// gonixl first in even rounds, NIXL-Python first in odd ones.
+func byRound(round int, goStep func() error, pyStep func()) error {
+	if round%2 == 1 {
+		pyStep()
+	}
+	if err := goStep(); err != nil {
+		return err
+	}
+	if round%2 == 0 {
+		pyStep()
+	}
+	return nil
 }
 
 func writeReportJSON(path string, rep *report) error {
