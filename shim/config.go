@@ -60,6 +60,13 @@ type Config struct {
 
 	// Worker-side facts the Python connector reads from vLLM's config.
 	CompatFactors map[string]any `json:"compat_factors"`
+
+	// vLLM's kv_cache_config.transfer_groups (both roles), and whether the
+	// hybrid KV-cache manager is in use with a group that is not full
+	// attention (vLLM's _is_hma_required): then sliding-window groups
+	// exchange only their in-window blocks. Empty: one full-attention group.
+	TransferGroups []TransferGroup `json:"transfer_groups"`
+	HMARequired    bool            `json:"hma_required"`
 }
 
 // ParseConfig decodes and validates a JSON configuration, applying vLLM's
@@ -112,6 +119,17 @@ func (c *Config) applyDefaults() error {
 	}
 	if c.BlockSize < 0 {
 		return fmt.Errorf("config: block_size must be positive, got %d", c.BlockSize)
+	}
+	for i, g := range c.TransferGroups {
+		switch g.Kind {
+		case LayerKindFull, LayerKindMLA:
+		case LayerKindSlidingWindow:
+			if g.SlidingWindow <= 0 || g.BlockSize <= 0 {
+				return fmt.Errorf("config: transfer group %d: sliding window %d / block size %d must be positive", i, g.SlidingWindow, g.BlockSize)
+			}
+		default:
+			return fmt.Errorf("config: KV-cache group %d is of kind %q, which gonixl does not transfer (full, sliding-window and MLA attention only)", i, g.Kind)
+		}
 	}
 	if c.SideChannelHost == "" {
 		c.SideChannelHost = "localhost"

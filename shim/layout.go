@@ -3,6 +3,7 @@ package shim
 import (
 	"fmt"
 	"sort"
+	"strings"
 
 	"github.com/gonixl/gonixl/nixl"
 )
@@ -20,15 +21,39 @@ type LayerTensor struct {
 	Stride       []int64 `json:"stride"` // in elements, as torch reports
 	Device       string  `json:"device"` // "cpu", "cuda", ...
 	DeviceIndex  int64   `json:"device_index"`
+
+	// From vLLM's KV-cache config: the index of the layer's group among
+	// kv_cache_config.transfer_groups, or -1 for a layer without a cache
+	// spec of its own (it shares another layer's cache; vLLM's connector
+	// skips it too); nil means group 0. Kind is the spec's kind (LayerKind*),
+	// "" meaning full attention.
+	Group         *int   `json:"group,omitempty"`
+	Kind          string `json:"kind,omitempty"`
+	SlidingWindow int64  `json:"sliding_window,omitempty"` // tokens, for LayerKindSlidingWindow
 }
+
+// Layer kinds gonixl transfers. Anything else (Mamba state, chunked local
+// attention, circular buffers) is refused at registration.
+const (
+	LayerKindFull          = "full"
+	LayerKindMLA           = "mla"
+	LayerKindSlidingWindow = "sliding_window"
+)
+
+// SharedGroup is a region's group when layers of several KV-cache groups
+// share its memory (vLLM's hybrid allocator gives layer i of every group
+// one tensor): every group's blocks are read from it.
+const SharedGroup = -1
 
 // Region is one transferable run of blocks inside a KV-cache tensor: block
 // b of the region starts at Base + b*Stride and is Len bytes long.
 type Region struct {
-	Layer  string
+	Layer  string // the first layer (in region order) whose cache it is
 	Base   uint64
 	Len    uint64
 	Stride uint64
+	Group  int    // transfer group, or SharedGroup
+	Kind   string // LayerKind* of Layer ("sliding_window:N" with its window)
 }
 
 // KVLayout is the registered KV cache of one worker.
@@ -40,21 +65,44 @@ type KVLayout struct {
 	Storage   []nixl.Region // registration ranges, one per distinct storage
 }
 
-// BuildLayout turns vLLM's per-layer tensors into transfer regions. The
-// block dimension is the one whose size is numBlocks; dimensions outside it
-// (e.g. K/V in FlashAttention's [2, num_blocks, ...]) give one region each,
-// and the dimensions inside must be dense so that a block is one
-// contiguous range. Every region must lie inside its tensor's storage.
+// BuildLayout turns vLLM's per-layer tensors into transfer regions, in the
+// order and with the identity vLLM's NixlConnector gives them: layers in
+// model order (RegionLess: layers.2 before layers.10), layers without a
+// cache spec skipped, and one region per distinct base address (the layers
+// of different KV-cache groups that share one tensor give one region, of
+// SharedGroup). The block dimension is the one whose size is numBlocks;
+// dimensions outside it (e.g. K/V in FlashAttention's [2, num_blocks, ...])
+// give one region each, and the dimensions inside must be dense so that a
+// block is one contiguous range. Every region must lie inside its tensor's
+// storage.
 func BuildLayout(layers []LayerTensor, numBlocks int64) (*KVLayout, error) {
 	if numBlocks <= 0 {
 		return nil, fmt.Errorf("kv caches: num_blocks must be positive, got %d", numBlocks)
 	}
-	if len(layers) == 0 {
+	var kept []LayerTensor
+	for _, l := range layers {
+		if l.Group != nil && *l.Group < 0 {
+			continue
+		}
+		switch l.Kind {
+		case "", LayerKindFull, LayerKindMLA:
+		case LayerKindSlidingWindow:
+			if l.SlidingWindow <= 0 {
+				return nil, fmt.Errorf("kv caches: layer %s: sliding-window layer without a window size", l.Name)
+			}
+		default:
+			return nil, fmt.Errorf("kv caches: layer %s has a KV-cache spec of kind %q, which gonixl does not transfer (full, sliding-window and MLA attention only)", l.Name, l.Kind)
+		}
+		kept = append(kept, l)
+	}
+	if len(kept) == 0 {
 		return nil, fmt.Errorf("kv caches: no layers to register")
 	}
+	sort.SliceStable(kept, func(i, j int) bool { return RegionLess(kept[i].Name, kept[j].Name) })
 	out := &KVLayout{NumBlocks: numBlocks, Mem: nixl.DRAM}
 	storages := map[uint64]nixl.Region{}
-	for i, l := range layers {
+	byBase := map[uint64]int{}
+	for i, l := range kept {
 		mem, dev, err := memOf(l)
 		if err != nil {
 			return nil, err
@@ -63,7 +111,7 @@ func BuildLayout(layers []LayerTensor, numBlocks int64) (*KVLayout, error) {
 			out.Mem, out.DeviceID = mem, dev
 		} else if mem != out.Mem || dev != out.DeviceID {
 			return nil, fmt.Errorf("kv caches: layer %s is on %v device %d, layer %s on %v device %d: mixed placements are not supported",
-				l.Name, mem, dev, layers[0].Name, out.Mem, out.DeviceID)
+				l.Name, mem, dev, kept[0].Name, out.Mem, out.DeviceID)
 		}
 		regs, err := layerRegions(l, numBlocks)
 		if err != nil {
@@ -73,13 +121,32 @@ func BuildLayout(layers []LayerTensor, numBlocks int64) (*KVLayout, error) {
 			return nil, fmt.Errorf("kv caches: layer %s has no storage range", l.Name)
 		}
 		end := l.StoragePtr + l.StorageBytes
+		group, kind := 0, layerKind(l)
+		if l.Group != nil {
+			group = *l.Group
+		}
 		for _, r := range regs {
 			last := r.Base + uint64(numBlocks-1)*r.Stride + r.Len
 			if r.Base < l.StoragePtr || last > end || last < r.Base {
 				return nil, fmt.Errorf("kv caches: layer %s region [%#x, %#x) lies outside its storage [%#x, %#x)", l.Name, r.Base, last, l.StoragePtr, end)
 			}
+			if k, ok := byBase[r.Base]; ok {
+				// Another layer's cache at the same address: vLLM's hybrid
+				// allocator shares one tensor between a layer of each group.
+				prev := &out.Regions[k]
+				if prev.Len != r.Len || prev.Stride != r.Stride {
+					return nil, fmt.Errorf("kv caches: layers %s and %s share memory at %#x with different block geometry (%d/%d bytes vs %d/%d)",
+						prev.Layer, l.Name, r.Base, prev.Len, prev.Stride, r.Len, r.Stride)
+				}
+				if prev.Group != group {
+					prev.Group = SharedGroup
+				}
+				continue
+			}
+			r.Group, r.Kind = group, kind
+			byBase[r.Base] = len(out.Regions)
+			out.Regions = append(out.Regions, r)
 		}
-		out.Regions = append(out.Regions, regs...)
 		if s, ok := storages[l.StoragePtr]; !ok || s.Len < l.StorageBytes {
 			storages[l.StoragePtr] = nixl.Region{Addr: l.StoragePtr, Len: l.StorageBytes, DevID: dev}
 		}
@@ -95,6 +162,64 @@ func BuildLayout(layers []LayerTensor, numBlocks int64) (*KVLayout, error) {
 		}
 	}
 	return out, nil
+}
+
+func layerKind(l LayerTensor) string {
+	switch l.Kind {
+	case "", LayerKindFull:
+		return LayerKindFull
+	case LayerKindSlidingWindow:
+		return fmt.Sprintf("%s:%d", LayerKindSlidingWindow, l.SlidingWindow)
+	}
+	return l.Kind
+}
+
+// RegionLess orders layer names as vLLM's NixlConnector orders its regions:
+// the name split into alternating text and digit runs (text first and last,
+// possibly empty), runs compared in turn, text by code point and digits by
+// value, a name that is a prefix of the other first. So model.layers.2
+// comes before model.layers.10, which a plain string sort reverses.
+func RegionLess(a, b string) bool {
+	pa, pb := splitDigitRuns(a), splitDigitRuns(b)
+	for i := 0; i < len(pa) && i < len(pb); i++ {
+		if c := compareRun(pa[i], pb[i], i%2 == 1); c != 0 {
+			return c < 0
+		}
+	}
+	return len(pa) < len(pb)
+}
+
+// splitDigitRuns splits s as Python's re.split(r"(\d+)", s) does (ASCII
+// digits): text, digits, text, ..., text.
+func splitDigitRuns(s string) []string {
+	out := []string{}
+	start, digits := 0, false
+	for i := 0; i < len(s); i++ {
+		d := s[i] >= '0' && s[i] <= '9'
+		if d != digits {
+			out = append(out, s[start:i])
+			start, digits = i, d
+		}
+	}
+	out = append(out, s[start:])
+	if digits {
+		out = append(out, "")
+	}
+	return out
+}
+
+func compareRun(a, b string, numeric bool) int {
+	if !numeric {
+		return strings.Compare(a, b)
+	}
+	a, b = strings.TrimLeft(a, "0"), strings.TrimLeft(b, "0")
+	if len(a) != len(b) {
+		if len(a) < len(b) {
+			return -1
+		}
+		return 1
+	}
+	return strings.Compare(a, b)
 }
 
 func memOf(l LayerTensor) (nixl.MemType, uint64, error) {

@@ -126,6 +126,15 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 				zap.Bool("remote_block_ids", p.HasRemoteBlocks), zap.Bool("endpoint", p.HasRemoteEndpoint()))
 			return 0, false
 		}
+		if p.RemoteNumTokens > 0 && p.RemoteNumTokens != numPromptTokens {
+			// The prefill computed another number of tokens than this
+			// prompt has: its blocks cannot hold this prompt's KV (a proxy
+			// that mixed requests up, or a client's forged parameters).
+			// Compute locally; the prefill is told to free its blocks.
+			s.log.Warn("kv_transfer_params: remote_num_tokens differs from this prompt's length: computing the prompt locally",
+				zap.Int64("remote_num_tokens", p.RemoteNumTokens), zap.Int64("prompt_tokens", numPromptTokens))
+			return 0, false
+		}
 		// No prefill back-off: gonixl serves attention-only models (no
 		// Mamba, no multi-token-prediction lookahead).
 		if count := numPromptTokens - numComputed; count > 0 {
@@ -174,6 +183,7 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 			if numExternal <= 0 {
 				localBlocks = nil
 			}
+			localBlocks = clipToWindow(localBlocks, s.cfg.TransferGroups, s.cfg.HMARequired)
 			rr := &RecvReq{
 				LocalBlockIDs:    localBlocks,
 				LocalNumComputed: localNumComputed,
@@ -304,6 +314,7 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 	if blockIDs == nil {
 		blockIDs = BlockIDs{}
 	}
+	blockIDs = clipToWindow(blockIDs, s.cfg.TransferGroups, s.cfg.HMARequired)
 	out := outParams{
 		DoRemotePrefill: isP,
 		DoRemoteDecode:  isD,

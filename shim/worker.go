@@ -58,6 +58,7 @@ type Worker struct {
 	hs             *sidechannel.Client
 	blockSize      int64
 	kvLayout       string
+	attnBackend    string
 	engineOverride nixl.Engine // tests: bypass Select
 	loggedLanes    bool
 
@@ -227,13 +228,12 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	am.BlockSize = init.BlockSize
 	am.AttnBackendName = init.AttnBackend
 	am.PhysicalBlocksPerLogicalKVBlock = 1
-	for _, r := range layout.Regions {
-		am.KVCachesBaseAddr = append(am.KVCachesBaseAddr, r.Base)
-		am.BlockLens = append(am.BlockLens, int64(r.Len))
-		am.BlockStrides = append(am.BlockStrides, int64(r.Stride))
-		am.RegionMemTypes = append(am.RegionMemTypes, layout.Mem.String())
-		am.RegionNames = append(am.RegionNames, r.Layer)
+	fillRegionIdentity(am, layout)
+	geom, err := json.Marshal(w.geometryOf(layout))
+	if err != nil {
+		return fmt.Errorf("kv geometry: %w", err)
 	}
+	am.Geometry = string(geom)
 	payload := (&sidechannel.HandshakePayload{CompatibilityHash: hash, AgentMetadataBytes: am.Encode()}).Encode()
 
 	env, err := sidechannel.FromEnv(os.Getenv)
@@ -250,7 +250,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	})
 	w.engine, w.agent, w.layout, w.localList = eng, agent, layout, list
 	w.payload, w.compatHash = payload, hash
-	w.blockSize, w.kvLayout = init.BlockSize, init.KVCacheLayout
+	w.blockSize, w.kvLayout, w.attnBackend = init.BlockSize, init.KVCacheLayout, init.AttnBackend
 	ok = true
 	var total uint64
 	for _, s := range layout.Storage {
@@ -379,15 +379,8 @@ func (w *Worker) readLocked(st *recvState) {
 			left, leaseSafetyMargin, w.leaseDetail(st)), nil)
 		return
 	}
-	nr := int64(len(w.layout.Regions))
-	lidx := make([]int32, 0, int(nr)*len(local))
-	ridx := make([]int32, 0, int(nr)*len(local))
-	for r := int64(0); r < nr; r++ {
-		for i := range local {
-			lidx = append(lidx, int32(r*w.layout.NumBlocks+local[i]))
-			ridx = append(ridx, int32(r*re.numBlocks+remote[i]))
-		}
-	}
+	lidx := regionDescIDs(w.layout.Regions, w.layout.NumBlocks, local)
+	ridx := regionDescIDs(w.layout.Regions, re.numBlocks, remote)
 	x, err := w.agent.MakeXfer(nixl.Read, w.localList, lidx, re.list, ridx, notif)
 	if err != nil {
 		w.stats.RecordFailedTransfer()
@@ -405,42 +398,107 @@ func (w *Worker) readLocked(st *recvState) {
 	st.xfers = append(st.xfers, &inflight{x: x, posted: now, deadline: now + w.cfg.TransferTimeout})
 }
 
-// pairBlocks validates and pairs local and remote block ids (group 0; the
-// KV caches gonixl registers form one group). With a local prefix-cache
-// hit the local list is shorter: only the tail of the remote blocks is read.
-func (w *Worker) pairBlocks(rr *RecvReq, re *remoteEngine) ([]int64, []int64, error) {
-	if len(rr.LocalBlockIDs) > 1 || len(rr.Remote.BlockIDs) > 1 {
-		return nil, nil, fmt.Errorf("%d local / %d remote KV-cache groups: only one group (full attention) is supported",
-			len(rr.LocalBlockIDs), len(rr.Remote.BlockIDs))
-	}
-	var local, remote []int64
-	if len(rr.LocalBlockIDs) == 1 {
-		local = rr.LocalBlockIDs[0]
-	}
-	if len(rr.Remote.BlockIDs) == 1 {
-		remote = rr.Remote.BlockIDs[0]
-	}
-	if len(local) == 0 {
+// pairBlocks validates and pairs local and remote block ids, group by
+// group. An empty local side means nothing to read (a full local prefix
+// hit, or an abort before scheduling). With a local prefix-cache hit the
+// local list is shorter: only the tail of the remote blocks is read, which
+// is right only when the remote list covers exactly the prompt this engine
+// allocated for — so a full-attention group's remote list must have exactly
+// as many blocks as this engine holds for the prompt (cached + to read),
+// and a sliding-window group's no more than its window. Anything else is a
+// kv_transfer_params that does not belong to this request, and reading it
+// would compute from someone else's KV.
+func (w *Worker) pairBlocks(rr *RecvReq, re *remoteEngine) (BlockIDs, BlockIDs, error) {
+	local, remote := rr.LocalBlockIDs, rr.Remote.BlockIDs
+	if local.Empty() {
 		return nil, nil, nil
 	}
-	if len(local) > len(remote) {
-		return nil, nil, fmt.Errorf("%d local blocks but the remote engine sent only %d block ids", len(local), len(remote))
+	groups := w.cfg.TransferGroups
+	ng := max(len(groups), 1)
+	if len(local) != ng {
+		return nil, nil, fmt.Errorf("%d local KV-cache groups in the step metadata, this engine has %d", len(local), ng)
 	}
-	remote = remote[len(remote)-len(local):]
-	for _, b := range local {
-		if b < 0 || b >= w.layout.NumBlocks {
-			return nil, nil, fmt.Errorf("local block id %d out of range [0, %d)", b, w.layout.NumBlocks)
-		}
+	if len(remote) != ng {
+		return nil, nil, fmt.Errorf("the remote engine sent block ids for %d KV-cache groups, this engine has %d", len(remote), ng)
 	}
-	for _, b := range remote {
-		if b < 0 || b >= re.numBlocks {
-			return nil, nil, fmt.Errorf("remote block id %d out of range [0, %d) of engine %s", b, re.numBlocks, re.id)
+	outR := make(BlockIDs, ng)
+	for g := range local {
+		l, r := local[g], remote[g]
+		window := 0
+		if g < len(groups) && w.cfg.HMARequired {
+			window = groups[g].blocksInWindow()
 		}
+		switch {
+		case window > 0 && len(r) > window:
+			return nil, nil, fmt.Errorf("group %d: %d remote block ids for a sliding window of %d blocks", g, len(r), window)
+		case window == 0 && g < len(rr.LocalNumComputed) && int64(len(l)) > 0 && int64(len(r)) != rr.LocalNumComputed[g]+int64(len(l)):
+			return nil, nil, fmt.Errorf("group %d: the remote engine sent %d block ids, but this prompt takes %d blocks here (%d cached locally + %d to read): the kv_transfer_params do not belong to this prompt",
+				g, len(r), rr.LocalNumComputed[g]+int64(len(l)), rr.LocalNumComputed[g], len(l))
+		case len(l) > len(r):
+			return nil, nil, fmt.Errorf("group %d: %d local blocks but the remote engine sent only %d block ids", g, len(l), len(r))
+		}
+		r = r[len(r)-len(l):]
+		for _, b := range l {
+			if b < 0 || b >= w.layout.NumBlocks {
+				return nil, nil, fmt.Errorf("local block id %d out of range [0, %d)", b, w.layout.NumBlocks)
+			}
+		}
+		for _, b := range r {
+			if b < 0 || b >= re.numBlocks {
+				return nil, nil, fmt.Errorf("remote block id %d out of range [0, %d) of engine %s", b, re.numBlocks, re.id)
+			}
+		}
+		outR[g] = r
 	}
 	if int64(len(w.layout.Regions))*max(w.layout.NumBlocks, re.numBlocks) > 1<<31-1 {
 		return nil, nil, errors.New("descriptor ids exceed int32")
 	}
-	return local, remote, nil
+	return local, outR, nil
+}
+
+// regionDescIDs lists the descriptor ids (region r, block b: r*numBlocks+b)
+// of a request's blocks, as vLLM's NixlConnector does: when every region
+// serves the same groups (one group, or groups sharing every tensor), each
+// region reads every group's blocks; otherwise group g's blocks are read
+// from the regions of group g and the shared ones. Local and remote lists
+// built from paired block ids with the same regions correspond entry by
+// entry.
+func regionDescIDs(regions []Region, numBlocks int64, ids BlockIDs) []int32 {
+	n := 0
+	for _, g := range ids {
+		n += len(g)
+	}
+	out := make([]int32, 0, n*len(regions))
+	mapped := false
+	for _, r := range regions[1:] {
+		if r.Group != regions[0].Group {
+			mapped = true
+			break
+		}
+	}
+	if !mapped {
+		for ri := range regions {
+			off := int64(ri) * numBlocks
+			for _, g := range ids {
+				for _, b := range g {
+					out = append(out, int32(off+b))
+				}
+			}
+		}
+		return out
+	}
+	for gi, g := range ids {
+		for ri, r := range regions {
+			if r.Group != gi && r.Group != SharedGroup {
+				continue
+			}
+			off := int64(ri) * numBlocks
+			for _, b := range g {
+				out = append(out, int32(off+b))
+			}
+		}
+	}
+	return out
 }
 
 func (w *Worker) failLocked(st *recvState, kind, msg string, err error) {
@@ -489,7 +547,7 @@ func (w *Worker) startHandshakeLocked(engineID, host string, port, remoteTP int,
 		go w.finishHandshake(engineID, host, port, nil, fmt.Errorf("remote engine has tp_size=%d, this engine %d: heterogeneous TP is not supported", remoteTP, w.cfg.TPSize))
 		return
 	}
-	hs, rank := w.hs, sidechannel.Rank{PP: 0, TP: w.cfg.TPRank}
+	hs, rank := w.hs, sidechannel.Rank{PP: w.cfg.PPRank, TP: w.cfg.TPRank}
 	deadline := time.Now().Add(time.Duration(w.cfg.HandshakeTimeout * float64(time.Second)))
 	go func() {
 		// A busy or just-starting peer can miss one query's receive
@@ -562,44 +620,25 @@ func (w *Worker) finishHandshake(engineID, host string, port int, res *sidechann
 }
 
 func (w *Worker) addRemoteLocked(engineID, host string, port int, res *sidechannel.Result) (*remoteEngine, error) {
-	md, ok := res.Agents[sidechannel.Rank{PP: 0, TP: w.cfg.TPRank}]
+	rank := sidechannel.Rank{PP: w.cfg.PPRank, TP: w.cfg.TPRank}
+	md, ok := res.Agents[rank]
 	if !ok || md == nil {
-		return nil, fmt.Errorf("remote engine %s returned no metadata for tp_rank %d", engineID, w.cfg.TPRank)
-	}
-	if len(md.BlockLens) != len(w.layout.Regions) || len(md.KVCachesBaseAddr) != len(md.BlockLens) {
-		return nil, fmt.Errorf("remote engine %s has %d KV regions, this engine %d", engineID, len(md.BlockLens), len(w.layout.Regions))
-	}
-	if md.BlockSize != w.blockSize {
-		return nil, fmt.Errorf("remote engine %s has block_size %d, this engine %d", engineID, md.BlockSize, w.blockSize)
-	}
-	if md.KVCacheLayout != w.kvLayout {
-		return nil, fmt.Errorf("remote engine %s has KV cache layout %q, this engine %q", engineID, md.KVCacheLayout, w.kvLayout)
+		return nil, fmt.Errorf("remote engine %s returned no metadata for pp_rank %d tp_rank %d", engineID, rank.PP, rank.TP)
 	}
 	if md.NumBlocks <= 0 || md.NumBlocks > 1<<31 {
 		return nil, fmt.Errorf("remote engine %s advertises num_blocks=%d", engineID, md.NumBlocks)
 	}
+	if err := checkRemoteLayout(w.layout, w.blockSize, w.kvLayout, w.attnBackend, w.geometryOf(w.layout), md); err != nil {
+		return nil, fmt.Errorf("remote engine %s (pp_rank %d, tp_rank %d) cannot exchange KV with this engine: it %w", engineID, rank.PP, rank.TP, err)
+	}
 	strides := md.BlockStrides
-	if len(strides) == 0 {
-		strides = md.BlockLens
-	}
-	if len(strides) != len(md.BlockLens) {
-		return nil, fmt.Errorf("remote engine %s: %d block strides for %d regions", engineID, len(strides), len(md.BlockLens))
-	}
-	for i, r := range w.layout.Regions {
-		if uint64(md.BlockLens[i]) != r.Len {
-			return nil, fmt.Errorf("remote engine %s region %d has block length %d, this engine %d", engineID, i, md.BlockLens[i], r.Len)
-		}
-		if strides[i] < md.BlockLens[i] {
-			return nil, fmt.Errorf("remote engine %s region %d: stride %d < block length %d", engineID, i, strides[i], md.BlockLens[i])
-		}
-	}
 	name, err := w.agent.LoadRemoteMetadata(md.AgentMetadata)
 	if err != nil {
 		return nil, fmt.Errorf("load remote agent metadata: %w", err)
 	}
 	regs := make([]Region, len(md.KVCachesBaseAddr))
 	for i := range regs {
-		regs[i] = Region{Base: md.KVCachesBaseAddr[i], Len: uint64(md.BlockLens[i]), Stride: uint64(strides[i])}
+		regs[i] = Region{Base: md.KVCachesBaseAddr[i], Len: uint64(md.BlockLens[i]), Stride: uint64(strides[i]), Group: w.layout.Regions[i].Group}
 	}
 	// The engine checks every descriptor against the regions the peer
 	// registered: a lying peer gets an error here, not a wild read.
@@ -801,8 +840,8 @@ func (w *Worker) pollTransfersLocked() {
 		w.done.Recving = append(w.done.Recving, id)
 		if st.failed {
 			w.done.Failed = append(w.done.Failed, id)
-			if len(st.meta.LocalBlockIDs) > 0 {
-				for _, b := range st.meta.LocalBlockIDs[0] {
+			for _, g := range st.meta.LocalBlockIDs {
+				for _, b := range g {
 					w.invalid[b] = struct{}{}
 				}
 			}

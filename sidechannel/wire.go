@@ -130,6 +130,13 @@ type AgentMetadata struct {
 	PLEBlockLen                     *int64   // None when nil
 	RegionMembers                   [][]string
 	PackedMemberLayouts             []PackedMemberLayout
+	// Geometry is gonixl's own addition (key "gonixl_geometry", a str):
+	// what the stock fields leave out about the KV cache's shape (dtype,
+	// heads, layer kinds, parallel ranks), so that two gonixl peers can
+	// refuse a mismatch at handshake. Empty when absent; vLLM's typed
+	// decoder skips the unknown key, and the field is only encoded when
+	// set, so a stock peer sees exactly vLLM's fields.
+	Geometry string
 }
 
 // NewAgentMetadata returns metadata with vLLM's defaults for the optional
@@ -137,10 +144,14 @@ type AgentMetadata struct {
 func NewAgentMetadata() *AgentMetadata { return &AgentMetadata{DCPSize: 1, PCPSize: 1} }
 
 // Encode returns msgspec's encoding of the dataclass: a map of all 21 fields
-// in declaration order.
+// in declaration order, then gonixl_geometry when set.
 func (m *AgentMetadata) Encode() []byte {
-	w := mpWriter{b: make([]byte, 0, 1024+len(m.AgentMetadata))}
-	w.mapHeader(21)
+	w := mpWriter{b: make([]byte, 0, 1024+len(m.AgentMetadata)+len(m.Geometry))}
+	if m.Geometry != "" {
+		w.mapHeader(22)
+	} else {
+		w.mapHeader(21)
+	}
 	w.str("engine_id")
 	w.str(m.EngineID)
 	w.str("agent_metadata")
@@ -198,6 +209,10 @@ func (m *AgentMetadata) Encode() []byte {
 		w.arrayHeader(2)
 		w.int_(l.Offset)
 		w.int_(l.PageLength)
+	}
+	if m.Geometry != "" {
+		w.str("gonixl_geometry")
+		w.str(m.Geometry)
 	}
 	return w.b
 }
@@ -284,6 +299,8 @@ func DecodeAgentMetadata(b []byte) (*AgentMetadata, error) {
 			if m.PackedMemberLayouts, err = packedLayouts(r); len(m.PackedMemberLayouts) == 0 {
 				m.PackedMemberLayouts = nil
 			}
+		case "gonixl_geometry":
+			m.Geometry, err = r.str()
 		default:
 			return false, nil
 		}

@@ -166,7 +166,64 @@ def _compat_factors(vllm_config: VllmConfig) -> dict[str, Any]:
     }
 
 
-def _config_json(vllm_config: VllmConfig, role: str) -> bytes:
+def _spec_kind(spec: Any) -> tuple[str, int]:
+    """A KV-cache spec as gonixl's Go side names it: (kind, sliding window
+    in tokens). Kinds other than full / sliding_window / mla are refused by
+    the library with the kind in the message."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        kinds = {_spec_kind(s) for s in spec.kv_cache_specs.values()}
+        return kinds.pop() if len(kinds) == 1 else ("mixed:" + ",".join(sorted(k for k, _ in kinds)), 0)
+    if isinstance(spec, MLAAttentionSpec):
+        return "mla", 0
+    if type(spec) is SlidingWindowSpec:
+        return "sliding_window", int(spec.sliding_window)
+    if type(spec) is FullAttentionSpec:
+        return "full", 0
+    return type(spec).__name__, 0
+
+
+def _transfer_groups(vllm_config: VllmConfig, kv_cache_config: "KVCacheConfig") -> tuple[list[dict[str, Any]], bool]:
+    """vLLM's transfer groups (kind, window, block size) and whether its
+    NixlConnector would treat the model as hybrid (_is_hma_required)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.transfer_groups
+    out = []
+    for g in groups:
+        kind, window = _spec_kind(g.kv_cache_spec)
+        out.append({"kind": kind, "sliding_window": window, "block_size": int(g.kv_cache_spec.block_size)})
+    hma = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and any(
+        not isinstance(g.kv_cache_spec, FullAttentionSpec) for g in groups
+    )
+    return out, hma
+
+
+def _layer_specs(kv_cache_config: "KVCacheConfig") -> dict[str, tuple[int, str, int]]:
+    """Layer name -> (transfer group index, kind, sliding window), for the
+    layers with a cache spec of their own (as vLLM's NixlConnector lists them)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    out: dict[str, tuple[int, str, int]] = {}
+    for gi, g in enumerate(kv_cache_config.transfer_groups):
+        spec = g.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            for name, s in spec.kv_cache_specs.items():
+                out[name] = (gi, *_spec_kind(s))
+        else:
+            kind = _spec_kind(spec)
+            for name in g.layer_names:
+                out[name] = (gi, *kind)
+    return out
+
+
+def _config_json(vllm_config: VllmConfig, role: str, kv_cache_config: Optional["KVCacheConfig"] = None) -> bytes:
     ktc = vllm_config.kv_transfer_config
     pc = vllm_config.parallel_config
     from vllm import envs
@@ -188,6 +245,8 @@ def _config_json(vllm_config: VllmConfig, role: str) -> bytes:
         "side_channel_port": envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
         "kv_connector_extra_config": ktc.kv_connector_extra_config or {},
     }
+    if kv_cache_config is not None:
+        cfg["transfer_groups"], cfg["hma_required"] = _transfer_groups(vllm_config, kv_cache_config)
     if role == "worker":
         cfg["compat_factors"] = _compat_factors(vllm_config)
     return json.dumps(cfg, default=_json_default).encode()
@@ -237,10 +296,10 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: int = 0
         self._handshake: Optional[GoNixlHandshakeMetadata] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _new("gonixl_scheduler_new", _config_json(vllm_config, "scheduler"))
+            self._sched = _new("gonixl_scheduler_new", _config_json(vllm_config, "scheduler", kv_cache_config))
         elif role == KVConnectorRole.WORKER:
             _request_amx_tile_permission()
-            self._worker = _new("gonixl_worker_new", _config_json(vllm_config, "worker"))
+            self._worker = _new("gonixl_worker_new", _config_json(vllm_config, "worker", kv_cache_config))
         else:
             raise ValueError(f"unsupported KVConnectorRole: {role}")
         logger.info("GoNixlConnector %s for engine %s (libgonixl %s)", role.name.lower(), self.engine_id, _lib.library_path())
@@ -310,7 +369,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         groups: tuple = ()
         if num_external_tokens > 0:
             groups = tuple(self.kv_cache_config.select_transfer_block_ids(blocks.get_unhashed_block_ids_all_groups()))
-        computed = [sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks]
+        # Blocks of the local prefix-cache hit, per transfer group (the Go
+        # side checks the remote block list against cached + new blocks).
+        computed = self.kv_cache_config.select_transfer_block_ids(
+            [sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks]
+        )
         ids, n, lens, ng = _flatten_groups(groups)
         comp = (ctypes.c_int64 * len(computed))(*computed)
         mutated = ctypes.c_int32(0)
@@ -413,13 +476,20 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
+        # Every layer goes to the library with its KV-cache group and kind;
+        # the library puts the regions in vLLM's NixlConnector order (model
+        # layer order, shared tensors once) and skips layers without a spec.
+        specs = _layer_specs(self.kv_cache_config)
         layers = []
-        for name in sorted(kv_caches):
-            t = kv_caches[name]
+        for name, t in kv_caches.items():
             st = t.untyped_storage()
+            group, kind, window = specs.get(name, (-1, "", 0))
             layers.append(
                 {
                     "name": name,
+                    "group": group,
+                    "kind": kind,
+                    "sliding_window": window,
                     "data_ptr": t.data_ptr(),
                     "storage_ptr": st.data_ptr(),
                     "storage_bytes": st.nbytes(),

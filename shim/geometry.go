@@ -1,0 +1,213 @@
+package shim
+
+import (
+	"encoding/json"
+	"fmt"
+	"maps"
+	"reflect"
+	"slices"
+	"strings"
+
+	"github.com/gonixl/gonixl/sidechannel"
+)
+
+// TransferGroup is one of vLLM's kv_cache_config.transfer_groups as the
+// Python connector flattens it: the group's spec kind, its sliding window
+// (tokens, 0 for none) and its block size.
+type TransferGroup struct {
+	Kind          string `json:"kind"`
+	SlidingWindow int64  `json:"sliding_window"`
+	BlockSize     int64  `json:"block_size"`
+}
+
+// blocksInWindow is how many trailing blocks of a sliding-window group hold
+// KV that a later token can attend to: vLLM's cdiv(window, block_size) + 1
+// (the window need not start on a block boundary); 0 for other groups.
+func (g TransferGroup) blocksInWindow() int {
+	if g.SlidingWindow <= 0 || g.BlockSize <= 0 {
+		return 0
+	}
+	return int((g.SlidingWindow+g.BlockSize-1)/g.BlockSize) + 1
+}
+
+// clipToWindow keeps only the in-window tail of each sliding-window group's
+// block list, as vLLM's NixlConnector does wherever block ids are exchanged:
+// the KV-cache manager allocates a block for every position and replaces
+// out-of-window ones by the null block only later. Only with hma (vLLM's
+// hybrid manager in use); groups beyond the configured ones are left alone.
+func clipToWindow(ids BlockIDs, groups []TransferGroup, hma bool) BlockIDs {
+	if !hma || len(ids) == 0 {
+		return ids
+	}
+	out := make(BlockIDs, len(ids))
+	for i, g := range ids {
+		if i < len(groups) {
+			if n := groups[i].blocksInWindow(); n > 0 && len(g) > n {
+				g = g[len(g)-n:]
+			}
+		}
+		out[i] = g
+	}
+	return out
+}
+
+// kvGeometry is what gonixl adds to the agent metadata (gonixl_geometry) so
+// that two gonixl peers refuse a mismatch that vLLM's own fields cannot
+// show: same byte sizes with another dtype, another head split, another
+// pipeline stage, other layer kinds. Compared field by field at handshake.
+type kvGeometry struct {
+	Model       string   `json:"model,omitempty"`
+	Dtype       string   `json:"dtype,omitempty"`
+	CacheDtype  string   `json:"cache_dtype,omitempty"`
+	NumKVHeads  int64    `json:"num_kv_heads,omitempty"` // whole model
+	HeadSize    int64    `json:"head_size,omitempty"`
+	NumLayers   int64    `json:"num_hidden_layers,omitempty"`
+	TPSize      int      `json:"tp_size"`
+	PPSize      int      `json:"pp_size"`
+	PPRank      int      `json:"pp_rank"`
+	RegionKinds []string `json:"region_kinds"`
+}
+
+func (w *Worker) geometryOf(layout *KVLayout) kvGeometry {
+	f := w.cfg.CompatFactors
+	str := func(k string) string { s, _ := f[k].(string); return s }
+	num := func(k string) int64 {
+		switch v := plainJSON(f[k]).(type) {
+		case int64:
+			return v
+		case float64:
+			return int64(v)
+		}
+		return 0
+	}
+	g := kvGeometry{Model: str("model"), Dtype: str("dtype"), CacheDtype: str("cache_dtype"),
+		NumKVHeads: num("num_kv_heads"), HeadSize: num("head_size"), NumLayers: num("num_hidden_layers"),
+		TPSize: w.cfg.TPSize, PPSize: w.cfg.PPSize, PPRank: w.cfg.PPRank}
+	for _, r := range layout.Regions {
+		g.RegionKinds = append(g.RegionKinds, r.Kind)
+	}
+	return g
+}
+
+// fillRegionIdentity sets the per-region fields of the agent metadata as
+// vLLM's NixlConnector fills them for a pull worker.
+func fillRegionIdentity(am *sidechannel.AgentMetadata, layout *KVLayout) {
+	for _, r := range layout.Regions {
+		am.KVCachesBaseAddr = append(am.KVCachesBaseAddr, r.Base)
+		am.BlockLens = append(am.BlockLens, int64(r.Len))
+		am.BlockStrides = append(am.BlockStrides, int64(r.Stride))
+		am.RegionNumBlocks = append(am.RegionNumBlocks, layout.NumBlocks)
+		am.RegionGroupIDs = append(am.RegionGroupIDs, int64(r.Group))
+		am.RegionNames = append(am.RegionNames, r.Layer)
+		am.RegionMemTypes = append(am.RegionMemTypes, layout.Mem.String())
+	}
+	// Pull workers advertise no member lists (vLLM fills them for push
+	// under pipeline parallelism only).
+	am.RegionMembers = nil
+}
+
+// checkRemoteLayout is the handshake's identity check: the remote regions
+// must be this worker's regions — same layers in the same order, same
+// per-block geometry, same groups, same cache layout and block size — and
+// anything gonixl cannot transfer is refused. The error names the first
+// difference. mine is this worker's geometry.
+func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend string, mine kvGeometry, md *sidechannel.AgentMetadata) error {
+	n := len(local.Regions)
+	if md.RegionNames == nil {
+		return fmt.Errorf("sent no region_names, so which layer each of its %d regions holds cannot be checked", len(md.BlockLens))
+	}
+	lens := map[string]int{"kv_caches_base_addr": len(md.KVCachesBaseAddr), "block_lens": len(md.BlockLens),
+		"block_strides": len(md.BlockStrides), "region_names": len(md.RegionNames)}
+	if md.RegionGroupIDs != nil {
+		lens["region_group_ids"] = len(md.RegionGroupIDs)
+	}
+	if md.RegionNumBlocks != nil {
+		lens["region_num_blocks"] = len(md.RegionNumBlocks)
+	}
+	if md.RegionMemTypes != nil {
+		lens["region_mem_types"] = len(md.RegionMemTypes)
+	}
+	for _, k := range slices.Sorted(maps.Keys(lens)) {
+		if lens[k] != len(md.RegionNames) {
+			return fmt.Errorf("advertises %d region_names but %d %s", len(md.RegionNames), lens[k], k)
+		}
+	}
+	if len(md.RegionNames) != n {
+		first := ""
+		for i := 0; i < n && i < len(md.RegionNames); i++ {
+			if md.RegionNames[i] != local.Regions[i].Layer {
+				first = fmt.Sprintf("; first difference at region %d: remote %q, local %q", i, md.RegionNames[i], local.Regions[i].Layer)
+				break
+			}
+		}
+		return fmt.Errorf("has %d KV-cache regions, this engine %d (different model, layer count or pipeline stage)%s", len(md.RegionNames), n, first)
+	}
+	if md.BlockSize != blockSize {
+		return fmt.Errorf("has block_size %d, this engine %d (heterogeneous block sizes are not supported)", md.BlockSize, blockSize)
+	}
+	if md.KVCacheLayout != kvLayout {
+		return fmt.Errorf("has KV-cache layout %q, this engine %q", md.KVCacheLayout, kvLayout)
+	}
+	if md.AttnBackendName != attnBackend {
+		return fmt.Errorf("uses attention backend %q, this engine %q (their KV-cache layouts differ)", md.AttnBackendName, attnBackend)
+	}
+	switch {
+	case md.PhysicalBlocksPerLogicalKVBlock > 1:
+		return fmt.Errorf("splits a logical block into %d kernel blocks (not supported)", md.PhysicalBlocksPerLogicalKVBlock)
+	case md.SSMSizes != [2]int64{}:
+		return fmt.Errorf("has Mamba/SSM state (ssm_sizes %v), which gonixl does not transfer", md.SSMSizes)
+	case len(md.PackedMemberLayouts) > 0 || len(md.RegionMembers) > 0:
+		return fmt.Errorf("advertises packed or multi-member regions (a pipeline-parallel push layout), which gonixl does not read")
+	case md.DCPSize > 1 || md.PCPSize > 1:
+		return fmt.Errorf("runs decode/prefill context parallelism (dcp %d, pcp %d), which gonixl does not support", md.DCPSize, md.PCPSize)
+	case md.PLEBlockLen != nil:
+		return fmt.Errorf("has a PLE state region, which gonixl does not transfer")
+	}
+	for i, r := range local.Regions {
+		name := md.RegionNames[i]
+		if name != r.Layer {
+			return fmt.Errorf("region %d holds layer %q, this engine's region %d holds %q (layer order or model differs)", i, name, i, r.Layer)
+		}
+		if uint64(md.BlockLens[i]) != r.Len || md.BlockLens[i] <= 0 {
+			return fmt.Errorf("region %d (%s) has block length %d bytes, this engine %d (dtype, heads or head size differ)", i, name, md.BlockLens[i], r.Len)
+		}
+		if md.BlockStrides[i] < md.BlockLens[i] {
+			return fmt.Errorf("region %d (%s): block stride %d < block length %d", i, name, md.BlockStrides[i], md.BlockLens[i])
+		}
+		if md.RegionGroupIDs != nil && md.RegionGroupIDs[i] != int64(r.Group) {
+			return fmt.Errorf("region %d (%s) belongs to KV-cache group %d, this engine's to %d (hybrid-allocator groups differ)", i, name, md.RegionGroupIDs[i], r.Group)
+		}
+		if md.RegionNumBlocks != nil && md.RegionNumBlocks[i] != md.NumBlocks {
+			return fmt.Errorf("region %d (%s) has %d blocks, the engine %d (per-region block counts are not supported)", i, name, md.RegionNumBlocks[i], md.NumBlocks)
+		}
+	}
+	if md.Geometry != "" {
+		var theirs kvGeometry
+		if err := json.Unmarshal([]byte(md.Geometry), &theirs); err != nil {
+			return fmt.Errorf("sent unreadable gonixl_geometry: %w", err)
+		}
+		if d := firstGeometryDifference(theirs, mine); d != "" {
+			return fmt.Errorf("differs in %s", d)
+		}
+	}
+	return nil
+}
+
+// firstGeometryDifference names the first field in which two geometries
+// differ (remote, then local value), or "". Fields one side left empty
+// (an older gonixl) are not compared.
+func firstGeometryDifference(remote, local kvGeometry) string {
+	rv, lv := reflect.ValueOf(remote), reflect.ValueOf(local)
+	t := rv.Type()
+	for i := 0; i < t.NumField(); i++ {
+		a, b := rv.Field(i), lv.Field(i)
+		tag, opts, _ := strings.Cut(t.Field(i).Tag.Get("json"), ",")
+		if opts == "omitempty" && (a.IsZero() || b.IsZero()) {
+			continue
+		}
+		if !reflect.DeepEqual(a.Interface(), b.Interface()) {
+			return fmt.Sprintf("%s: remote %v, this engine %v", tag, a.Interface(), b.Interface())
+		}
+	}
+	return ""
+}
