@@ -631,7 +631,7 @@ func stuckRead(t *testing.T, lease float64, preq, dreq string) (*FakeClock, *nix
 
 func TestDecodeFailsReadCompletingAfterLease(t *testing.T) {
 	clock, eng, _, d := stuckRead(t, 30, "req-slow", "req-ds") // in flight until we let it finish
-	clock.Advance(31) // the prefill's lease lapses while the READ is in flight
+	clock.Advance(31)                                          // the prefill's lease lapses while the READ is in flight
 	eng.Agent(d.work.agent.Name()).SetScript(nixltest.Script{Polls: 0})
 	f := d.waitFinished(t, "late completion", func(f Finished) bool { return contains(f.Recving, "req-ds") })
 	if !contains(f.Failed, "req-ds") {
