@@ -342,11 +342,12 @@ func (w *Worker) readLocked(st *recvState) {
 	}
 	re, ok := w.remotes[rm.EngineID]
 	if ok && (re.host != rm.Host || re.port != rm.Port) {
-		// The engine answers at another address now: a restarted prefill
-		// that kept its engine_id. Its old agent is gone; handshake again.
-		w.log.Info("remote engine moved; handshaking again", zap.String("remote_engine_id", re.id),
-			zap.String("old", fmt.Sprintf("%s:%d", re.host, re.port)), zap.String("new", fmt.Sprintf("%s:%d", rm.Host, rm.Port)))
-		w.dropRemoteLocked(re)
+		// The request names the engine at another address: a restarted
+		// prefill that kept its engine_id, or a wrong (or forged) address.
+		// The working connection stays until a handshake at the new address
+		// succeeds with that same engine id; only then is it replaced.
+		w.log.Info("request names a known remote engine at another address; handshaking there", zap.String("remote_engine_id", re.id),
+			zap.String("known", fmt.Sprintf("%s:%d", re.host, re.port)), zap.String("requested", fmt.Sprintf("%s:%d", rm.Host, rm.Port)))
 		ok = false
 	}
 	if !ok {
@@ -530,8 +531,16 @@ func (w *Worker) logFailure(kind string, st *recvState, msg string, err error) {
 	w.log.Error("NIXL transfer failure: " + kind + " | Context: " + string(b))
 }
 
+// hsKey identifies a handshake: an engine at one address (a request may
+// name a known engine at another address; that handshake must not disturb
+// the working one).
+func hsKey(engineID, host string, port int) string {
+	return fmt.Sprintf("%s@%s:%d", engineID, host, port)
+}
+
 func (w *Worker) startHandshakeLocked(engineID, host string, port, remoteTP int, reqID string) {
-	hsState, running := w.handshakes[engineID]
+	key := hsKey(engineID, host, port)
+	hsState, running := w.handshakes[key]
 	if running {
 		if reqID != "" {
 			hsState.waiting = append(hsState.waiting, reqID)
@@ -542,7 +551,7 @@ func (w *Worker) startHandshakeLocked(engineID, host string, port, remoteTP int,
 	if reqID != "" {
 		hsState.waiting = append(hsState.waiting, reqID)
 	}
-	w.handshakes[engineID] = hsState
+	w.handshakes[key] = hsState
 	if remoteTP != w.cfg.TPSize {
 		go w.finishHandshake(engineID, host, port, nil, fmt.Errorf("remote engine has tp_size=%d, this engine %d: heterogeneous TP is not supported", remoteTP, w.cfg.TPSize))
 		return
@@ -552,7 +561,8 @@ func (w *Worker) startHandshakeLocked(engineID, host string, port, remoteTP int,
 	go func() {
 		// A busy or just-starting peer can miss one query's receive
 		// timeout; retry transient failures until handshake_timeout, never
-		// a compatibility or identity mismatch.
+		// a compatibility or identity mismatch, nor a refused connection
+		// (nothing listens there: its requests fail now, not in 30 s).
 		for attempt := 1; ; attempt++ {
 			f := hs.Start(host, port, engineID, rank)
 			<-f.Done()
@@ -568,7 +578,8 @@ func (w *Worker) startHandshakeLocked(engineID, host string, port, remoteTP int,
 }
 
 func retryableHandshake(err error) bool {
-	if errors.Is(err, sidechannel.ErrCompatMismatch) || errors.Is(err, sidechannel.ErrEngineMismatch) || errors.Is(err, sidechannel.ErrClosed) {
+	if errors.Is(err, sidechannel.ErrCompatMismatch) || errors.Is(err, sidechannel.ErrEngineMismatch) || errors.Is(err, sidechannel.ErrClosed) ||
+		errors.Is(err, sidechannel.ErrRefused) {
 		return false
 	}
 	var re *sidechannel.RemoteError
@@ -580,8 +591,9 @@ func retryableHandshake(err error) bool {
 func (w *Worker) finishHandshake(engineID, host string, port int, res *sidechannel.Result, err error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	hsState := w.handshakes[engineID]
-	delete(w.handshakes, engineID)
+	key := hsKey(engineID, host, port)
+	hsState := w.handshakes[key]
+	delete(w.handshakes, key)
 	if w.closed {
 		return
 	}

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"go.uber.org/zap"
@@ -47,6 +48,9 @@ var (
 	ErrEngineMismatch = errors.New("sidechannel: remote NIXL agent engine ID mismatch")
 	ErrTimeout        = errors.New("sidechannel: handshake timed out")
 	ErrClosed         = errors.New("sidechannel: client is closed")
+	// ErrRefused: nothing listens at the address (connection refused for
+	// longer than RefusedGrace): a dead or moved peer, not a busy one.
+	ErrRefused = errors.New("sidechannel: connection refused")
 )
 
 // HandshakeError says which peer and rank a handshake failed on.
@@ -254,14 +258,24 @@ func (c *Client) run(ctx context.Context, host string, port int, engineID string
 	return res, nil
 }
 
+// RefusedGrace is how long a refused dial is retried (a listener that is
+// just being restarted) before the query fails with ErrRefused instead of
+// waiting out its timeout.
+var RefusedGrace = time.Second
+
 // connect dials and completes the ZMTP handshake, retrying a refused dial
-// until the per-query timeout, as a libzmq REQ socket would reconnect.
+// for RefusedGrace (as a libzmq REQ socket would reconnect), other dial
+// errors until the per-query timeout.
 func (c *Client) connect(ctx context.Context, addr string) (*zconn, error) {
 	qctx, cancel := context.WithTimeout(ctx, c.cfg.RecvTimeout)
 	defer cancel()
 	var d net.Dialer
+	start := time.Now()
 	for {
 		nc, err := d.DialContext(qctx, "tcp", addr)
+		if err != nil && errors.Is(err, syscall.ECONNREFUSED) && time.Since(start) >= RefusedGrace {
+			return nil, fmt.Errorf("connect to %s: %w (%v)", addr, ErrRefused, err)
+		}
 		if err == nil {
 			dl, _ := qctx.Deadline()
 			nc.SetDeadline(dl)
