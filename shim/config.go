@@ -3,8 +3,13 @@ package shim
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
+
+	"go.uber.org/zap"
+
+	"github.com/gonixl/gonixl/nixl"
 )
 
 // Role is the connector role vLLM gives each instance of the connector class.
@@ -98,8 +103,14 @@ func (c *Config) applyDefaults() error {
 	if c.EngineID == "" {
 		return fmt.Errorf("config: engine_id is required")
 	}
-	if c.KVBufferDevice == "" {
-		c.KVBufferDevice = "cuda"
+	// vLLM's KVTransferConfig takes any string here (its default is the
+	// platform's device type); its NixlConnector worker checks it against
+	// _NIXL_SUPPORTED_DEVICE. Empty (a caller other than vLLM) means "where
+	// the KV cache is". Placement is checked by checkKVPlacement.
+	switch c.KVBufferDevice {
+	case "", "cpu", "cuda", "xpu", "hpu":
+	default:
+		return fmt.Errorf("config: kv_buffer_device must be cpu, cuda, xpu or hpu (the device the KV cache is on, or cpu for a CPU-only vLLM), got %q", c.KVBufferDevice)
 	}
 	switch c.KVLoadFailurePolicy {
 	case "":
@@ -172,6 +183,9 @@ func (c *Config) applyDefaults() error {
 	}
 	if c.EngineTTL, err = x.float("engine_ttl", 3600); err != nil {
 		return err
+	}
+	if math.IsNaN(c.EngineTTL) {
+		return fmt.Errorf("config: kv_connector_extra_config.engine_ttl must be a number of seconds (0 or less: never evict), got NaN")
 	}
 	if c.TransferEngine, err = x.string("transfer_engine", "auto"); err != nil {
 		return err
@@ -300,4 +314,61 @@ func (x extra) strings(key string, def []string) ([]string, error) {
 		return out, nil
 	}
 	return nil, fmt.Errorf("config: kv_connector_extra_config.%s must be a list of strings, got %T", key, v)
+}
+
+// checkKVPlacement checks kv_buffer_device and enable_permute_local_kv
+// against where register_kv_caches found the KV cache. vLLM's NixlConnector
+// (base_worker.py) with kv_buffer_device "cpu" on a GPU platform stages
+// every transfer through a host copy of the KV cache (use_host_buffer,
+// initialize_host_xfer_buffer); gonixl registers the KV cache itself and
+// has no such copy, so that is refused rather than silently transferring
+// device memory. On vLLM's CPU platform "cpu" is the only value vLLM
+// accepts and means no staging (use_host_buffer is false there).
+//
+// enable_permute_local_kv only matters to vLLM when the remote engine's
+// kv_cache_layout differs from this one (a LBHNC remote read into a LBNHC
+// cache is permuted after the READ) or with host staging. gonixl refuses
+// both (the handshake requires the same kv_cache_layout and attention
+// backend), so for every pair of engines gonixl connects the flag changes
+// nothing in vLLM either. It is accepted (vLLM's XPU platform sets it
+// unconditionally) and its lack of effect is logged.
+func (w *Worker) checkKVPlacement(layout *KVLayout, init *WorkerInit) error {
+	if err := checkKVBufferDevice(w.cfg.KVBufferDevice, layout, init.Layers); err != nil {
+		return err
+	}
+	if w.cfg.EnablePermuteLocalKV {
+		w.log.Info("enable_permute_local_kv has no effect in gonixl: KV moves only between engines with the same kv_cache_layout, "+
+			"where vLLM does not permute either; a remote engine with another layout is refused at handshake",
+			zap.String("kv_cache_layout", init.KVCacheLayout))
+	}
+	return nil
+}
+
+// checkKVBufferDevice is checkKVPlacement's kv_buffer_device rule: "cpu"
+// for a KV cache in host memory, the KV cache's device type otherwise.
+func checkKVBufferDevice(setting string, layout *KVLayout, layers []LayerTensor) error {
+	if setting == "" {
+		return nil
+	}
+	if layout.Mem == nixl.DRAM {
+		if setting != "cpu" {
+			return fmt.Errorf("kv_buffer_device is %q, but the KV cache is in host memory (vLLM's CPU platform), where only \"cpu\" is supported: set kv_buffer_device to \"cpu\"", setting)
+		}
+		return nil
+	}
+	dev := ""
+	for _, l := range layers {
+		if l.Device != "" && l.Device != "cpu" {
+			dev = l.Device
+			break
+		}
+	}
+	if setting == "cpu" {
+		return fmt.Errorf("kv_buffer_device is \"cpu\" with the KV cache on %s: that asks for host-buffer staging (vLLM's NixlConnector copies the KV cache through a CPU buffer around every transfer), "+
+			"which gonixl does not implement; set kv_buffer_device to %q (vLLM's default on this platform) so that gonixl transfers the device memory directly", dev, dev)
+	}
+	if setting != dev {
+		return fmt.Errorf("kv_buffer_device is %q, but the KV cache is on %s: set kv_buffer_device to %q", setting, dev, dev)
+	}
+	return nil
 }

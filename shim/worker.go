@@ -85,6 +85,7 @@ type remoteEngine struct {
 	rtt       time.Duration // of the sample the offset came from: its error bound
 	host      string        // side-channel address it was handshaken at
 	port      int
+	lastUsed  float64 // this worker's clock: last READ, notification, heartbeat or handshake (engine_ttl, evict.go)
 }
 
 type handshakeState struct {
@@ -167,6 +168,9 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	}
 	layout, err := BuildLayout(init.Layers, init.NumBlocks)
 	if err != nil {
+		return err
+	}
+	if err := w.checkKVPlacement(layout, init); err != nil {
 		return err
 	}
 	eng, why := w.engineOverride, "injected"
@@ -357,6 +361,7 @@ func (w *Worker) readLocked(st *recvState) {
 	}
 	st.waiting = false
 	st.remote = re
+	w.touchRemoteLocked(re)
 	notif := []byte(rm.RequestID + ":1")
 	local, remote, err := w.pairBlocks(st.meta, re)
 	if err != nil {
@@ -605,6 +610,7 @@ func (w *Worker) finishHandshake(engineID, host string, port int, res *sidechann
 		w.stats.RecordFailedHandshake()
 		w.logFailure("handshake_failed", nil, fmt.Sprintf("engine %s at %s:%d", engineID, host, port), err)
 	} else {
+		w.touchRemoteLocked(re)
 		w.log.Info("handshake done", zap.String("remote_engine_id", engineID), zap.String("remote_agent", re.agent),
 			zap.Float64("clock_offset", re.offset), zap.Duration("rtt", res.BestRTT))
 		if ei, ok := w.agent.(interface{ EndpointInfo() string }); ok && !w.loggedLanes {
@@ -709,6 +715,7 @@ func (w *Worker) sendHeartbeatsLocked(hbs map[string]*HeartbeatInfo) {
 			w.startHandshakeLocked(eng, info.Host, info.Port, info.TPSize, "")
 			continue
 		}
+		w.touchRemoteLocked(re)
 		msg := []byte("HB:" + strings.Join(info.ReqIDs, ","))
 		sent := w.clock()
 		if err := w.agent.SendNotif(re.agent, msg); err != nil {
@@ -750,6 +757,7 @@ func (w *Worker) GetFinished() ([]byte, error) {
 		w.pollTransfersLocked()
 		w.pollNotifsLocked()
 		w.sweepLeasesLocked()
+		w.evictIdleRemotesLocked()
 	}
 	f := w.done
 	w.done = Finished{}
