@@ -18,18 +18,15 @@ aggregated vLLM without a connector as the baseline. Asserts:
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
 import re
 import sys
 import time
-import urllib.request
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
-import model_task  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_common import BLOCK, SEED, complete, eval_examples, metrics, model_task, prompt_token_sources  # noqa: E402
 
 PROXY = os.environ.get("GONIXL_E2E_PROXY")
 BASELINE = os.environ.get("GONIXL_E2E_BASELINE")
@@ -37,9 +34,7 @@ DECODE = os.environ.get("GONIXL_E2E_DECODE")
 PREFILL = os.environ.get("GONIXL_E2E_PREFILL")
 DECODE_LOG = os.environ.get("GONIXL_E2E_DECODE_LOG")
 MODEL = os.environ.get("GONIXL_E2E_MODEL")
-BLOCK = 32
 N_PROMPTS = int(os.environ.get("GONIXL_E2E_PROMPTS", "64"))
-SEED = 2026
 
 pytestmark = pytest.mark.skipif(
     not (PROXY and BASELINE and DECODE and PREFILL),
@@ -47,48 +42,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def post(url: str, body: dict, timeout: float = 300) -> dict:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.load(r)
-
-
-def metrics(url: str) -> str:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        return r.read().decode()
-
-
-def counter(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def complete(url: str, ex: model_task.Example) -> str:
-    body = {
-        "model": MODEL,
-        "prompt": ex.prompt,
-        "max_tokens": model_task.MAX_KEY_LEN + 2,
-        "temperature": 0,
-        "seed": 0,
-    }
-    out = post(url, body)
-    return out["choices"][0]["text"]
-
-
 @pytest.fixture(scope="module")
 def examples() -> list[model_task.Example]:
-    lengths = model_task.eval_lengths(N_PROMPTS, SEED, block_size=BLOCK)
-    exs = model_task.examples(SEED, lengths)
-    assert any(len(e.prompt) == 1 for e in exs)
-    assert any(len(e.prompt) == BLOCK for e in exs)
-    assert any(len(e.prompt) == BLOCK + 1 for e in exs)
-    assert any(len(e.prompt) > 4 * BLOCK for e in exs)
-    return exs
+    return eval_examples(N_PROMPTS, SEED)
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +52,11 @@ def runs(examples):
     before = metrics(DECODE)
     # Baseline first, sequentially; then through the proxy: a sequential
     # part and a concurrent part.
-    base = [complete(BASELINE, e) for e in examples]
+    base = [complete(BASELINE, MODEL, e) for e in examples]
     half = len(examples) // 2
-    disagg = [complete(PROXY, e) for e in examples[:half]]
+    disagg = [complete(PROXY, MODEL, e) for e in examples[:half]]
     with cf.ThreadPoolExecutor(max_workers=4) as pool:
-        disagg += list(pool.map(lambda e: complete(PROXY, e), examples[half:]))
+        disagg += list(pool.map(lambda e: complete(PROXY, MODEL, e), examples[half:]))
     after = metrics(DECODE)
     return base, disagg, before, after
 
@@ -122,15 +78,10 @@ def test_accuracy_at_least_baseline(examples, runs):
 
 def test_decode_loaded_kv_over_the_wire(examples, runs):
     _, _, before, after = runs
-    name = "vllm:prompt_tokens_by_source_total"
-    computed = counter(after, name, source="local_compute") - counter(before, name, source="local_compute")
-    external = counter(after, name, source="external_kv_transfer") - counter(before, name, source="external_kv_transfer")
+    computed, external = prompt_token_sources(before, after)
     total = sum(len(e.prompt) for e in examples)
     one_token = sum(1 for e in examples if len(e.prompt) == 1)
-    # vLLM counts a request whose whole prompt came from the connector as
-    # external (its last token is re-run for logits but not counted as
-    # computed). Only 1-token prompts have nothing to pull: the decode
-    # computes them itself.
+    # Only 1-token prompts have nothing to pull (prompt_token_sources).
     print(f"decode prompt tokens: local_compute {computed:.0f}, external_kv_transfer {external:.0f}, total {total}")
     assert computed + external == total, f"token accounting: computed {computed} + external {external} != {total}"
     assert computed <= one_token, f"decode computed {computed} prompt tokens itself; only {one_token} 1-token prompts may be"

@@ -1,0 +1,90 @@
+"""Helpers shared by the end-to-end tests (test_accuracy.py, test_interop.py).
+
+HTTP calls to vLLM's OpenAI server and gonixl-proxy, Prometheus counters,
+the prompt set from tests/fixtures/model_task.py, and log scanning. Pure
+standard library; the servers are started by the run_*_test.sh scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
+import model_task  # noqa: E402
+
+BLOCK = 32
+SEED = 2026
+PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
+
+
+def post(url: str, body: dict, timeout: float = 300, path: str = "/v1/completions") -> dict:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def counter(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def prompt_token_sources(before: str, after: str) -> tuple[float, float]:
+    """(local_compute, external_kv_transfer) prompt tokens between two /metrics texts.
+
+    vLLM counts a request whose whole prompt came from the connector as
+    external (its last token is re-run for logits but not counted as
+    computed). Only 1-token prompts have nothing to pull: the decode computes
+    them itself.
+    """
+
+    def delta(source: str) -> float:
+        return counter(after, PROMPT_TOKENS, source=source) - counter(before, PROMPT_TOKENS, source=source)
+
+    return delta("local_compute"), delta("external_kv_transfer")
+
+
+def completion(url: str, model: str, ex: model_task.Example, timeout: float = 300) -> dict:
+    """The whole /v1/completions response for ex (greedy, room for the longest key)."""
+    body = {
+        "model": model,
+        "prompt": ex.prompt,
+        "max_tokens": model_task.MAX_KEY_LEN + 2,
+        "temperature": 0,
+        "seed": 0,
+    }
+    return post(url, body, timeout=timeout)
+
+
+def complete(url: str, model: str, ex: model_task.Example) -> str:
+    return completion(url, model, ex)["choices"][0]["text"]
+
+
+def eval_examples(n: int, seed: int = SEED) -> list[model_task.Example]:
+    """n prompts with the edge cases: 1 token, one block, one block + 1, several blocks."""
+    exs = model_task.examples(seed, model_task.eval_lengths(n, seed, block_size=BLOCK))
+    assert any(len(e.prompt) == 1 for e in exs)
+    assert any(len(e.prompt) == BLOCK for e in exs)
+    assert any(len(e.prompt) == BLOCK + 1 for e in exs)
+    assert any(len(e.prompt) > 4 * BLOCK for e in exs)
+    return exs
+
+
+def read_from(path: str, offset: int = 0) -> str:
+    """The text of a log file from byte offset on."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")

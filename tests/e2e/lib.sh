@@ -1,0 +1,170 @@
+# Shared by the end-to-end scripts (run_accuracy_test.sh, run_interop_test.sh):
+# paths, free ports, starting vLLM / gonixl-proxy in their own process groups,
+# waiting for readiness, and stopping every process group on every exit path.
+#
+#   E2E_NAME=run_something   # prefix of this library's messages
+#   source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+#
+# Sourcing sets ROOT (and cd's there), PY, PROXY_BIN, WAIT (GONIXL_E2E_TIMEOUT,
+# default 600 s), exports the vLLM environment below, and installs the exit
+# trap. The caller then runs e2e_logs DIR, e2e_require MODEL, e2e_vllm_args
+# MODEL, start / start_vllm, wait_ready. A caller may define e2e_at_exit RC:
+# the trap calls it after the processes are stopped and before the logs of a
+# failed run are printed.
+# shellcheck shell=bash
+
+E2E_NAME=${E2E_NAME:-e2e}
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+PY="$ROOT/.venv/bin/python"
+PROXY_BIN="$ROOT/build/bin/gonixl-proxy"
+WAIT="${GONIXL_E2E_TIMEOUT:-600}"
+E2E_T0=$SECONDS
+
+e2e_say() { echo "$E2E_NAME: $*" >&2; }
+
+# e2e_logs DIR: the log folder (created; earlier *.log files removed).
+e2e_logs() {
+  LOGS=$1
+  mkdir -p "$LOGS"
+  rm -f "$LOGS"/*.log
+}
+
+# e2e_require MODEL: the venv, the proxy binary and the model exist.
+e2e_require() {
+  [ -x "$PY" ] || { e2e_say ".venv missing: run ./build.sh setup"; exit 1; }
+  [ -x "$PROXY_BIN" ] || { e2e_say "$PROXY_BIN missing: run ./build.sh build"; exit 1; }
+  [ -f "$1/config.json" ] || { e2e_say "model fixture $1 missing"; exit 1; }
+}
+
+# Ports come from below the kernel's ephemeral range: vLLM binds many
+# internal sockets to OS-chosen ports, which could otherwise take a port
+# between our probe and the server's bind. Ports handed out earlier by this
+# shell are not handed out again.
+E2E_PORTS=" "
+free_port() {
+  local port
+  port=$(E2E_TAKEN="$E2E_PORTS" "$PY" - <<'PYEOF'
+import os, random, socket
+taken = set(os.environ.get("E2E_TAKEN", "").split())
+lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(200):
+    port = random.randrange(20000, max(20001, min(lo, 32768)))
+    if str(port) in taken:
+        continue
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        continue
+    finally:
+        s.close()
+    print(port)
+    break
+else:
+    raise SystemExit("no free port below the ephemeral range")
+PYEOF
+)
+  E2E_PORTS+="$port "
+  echo "$port"
+}
+
+# Every process group started by start(); all of them are stopped on exit.
+PIDS=()
+e2e_cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  local pid alive _
+  for pid in "${PIDS[@]}"; do
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  done
+  for _ in $(seq 1 25); do
+    alive=0
+    for pid in "${PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done
+    ((alive)) || break
+    sleep 0.2
+  done
+  for pid in "${PIDS[@]}"; do
+    kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+  done
+  if declare -F e2e_at_exit >/dev/null; then e2e_at_exit "$rc" || true; fi
+  if [ $rc -ne 0 ] && [ -n "${LOGS:-}" ]; then
+    e2e_say "FAILED (rc=$rc); last lines of each log in $LOGS:"
+    local f
+    for f in "$LOGS"/*.log; do
+      [ -e "$f" ] || continue
+      echo "----- $f" >&2
+      grep -v -E 'api_utils|launcher.py' "$f" | tail -n 25 >&2 || true
+    done
+  fi
+  exit $rc
+}
+trap e2e_cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# vLLM on a CPU host: offline, eager, a bounded KV cache (256 MiB), float32
+# (the bfloat16 AMX attention kernel is not used; see docs/ENVIRONMENT.md),
+# block size 32 (the CPU backend's minimum).
+# e2e_vllm_args MODEL sets the array COMMON.
+e2e_vllm_args() {
+  COMMON=(--model "$1" --enforce-eager --dtype float32 --block-size 32 --max-model-len 1024
+          --kv-cache-memory-bytes 268435456 --max-num-seqs 16)
+}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1
+# Several engines share two cores: no core pinning and no OpenMP spin-waiting,
+# or the engines' background threads (gonixl's handshakes among them) starve.
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE VLLM_CPU_OMP_THREADS_BIND=nobind
+
+# --kv-transfer-config values. gonixl_kv_config ROLE ENGINE; stock_kv_config ROLE
+# (vLLM's own NixlConnector, host buffers). ROLE: kv_producer or kv_consumer.
+gonixl_kv_config() {
+  printf '{"kv_connector":"GoNixlConnector","kv_connector_module_path":"gonixl.vllm","kv_role":"%s","kv_connector_extra_config":{"transfer_engine":"%s"}}' \
+    "$1" "$2"
+}
+stock_kv_config() {
+  printf '{"kv_connector":"NixlConnector","kv_role":"%s","kv_buffer_device":"cpu"}' "$1"
+}
+
+# start NAME CMD...: CMD in its own process group, output to $LOGS/NAME.log.
+start() {
+  local name=$1; shift
+  setsid "$@" >"$LOGS/$name.log" 2>&1 &
+  PIDS+=($!)
+}
+
+# start_vllm NAME HTTP_PORT [SIDE_CHANNEL_PORT KV_TRANSFER_CONFIG [ENV=VALUE...]]:
+# an OpenAI API server with the COMMON flags; with a connector when given.
+start_vllm() {
+  local name=$1 port=$2
+  if [ $# -ge 4 ]; then
+    local side=$3 kv=$4
+    shift 4
+    start "$name" env VLLM_NIXL_SIDE_CHANNEL_PORT="$side" "$@" "$PY" -m vllm.entrypoints.openai.api_server \
+      "${COMMON[@]}" --port "$port" --kv-transfer-config "$kv"
+  else
+    start "$name" "$PY" -m vllm.entrypoints.openai.api_server "${COMMON[@]}" --port "$port"
+  fi
+}
+
+# start_proxy NAME PORT PREFILL_PORT DECODE_PORT: gonixl-proxy (toy mode).
+start_proxy() {
+  start "$1" "$PROXY_BIN" --host 127.0.0.1 --port "$2" \
+    --prefiller-hosts 127.0.0.1 --prefiller-ports "$3" --decoder-hosts 127.0.0.1 --decoder-ports "$4"
+}
+
+# wait_ready NAME URL: until URL answers, a started process exits, or WAIT passes.
+wait_ready() {
+  local deadline=$((SECONDS + WAIT)) pid
+  until curl -sf -o /dev/null "$2"; do
+    if ((SECONDS > deadline)); then e2e_say "$1 not ready after ${WAIT}s"; return 1; fi
+    for pid in "${PIDS[@]}"; do
+      kill -0 "$pid" 2>/dev/null || { e2e_say "a server exited early (pid $pid)"; return 1; }
+    done
+    sleep 2
+  done
+  e2e_say "$1 ready"
+}
+
+# e2e_elapsed: seconds since lib.sh was sourced.
+e2e_elapsed() { echo $((SECONDS - E2E_T0)); }

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# End-to-end interop matrix: vLLM's stock NixlConnector and gonixl's
+# GoNixlConnector (transfer_engine nixl) on either side of a disaggregated
+# prefill -> decode pair, every requested combination against one set of
+# servers started once; then tests/e2e/test_interop.py.
+#
+#   tests/e2e/run_interop_test.sh
+#   GONIXL_INTEROP_COMBOS=stock-stock,go-go tests/e2e/run_interop_test.sh
+#
+# Started here: an aggregated vLLM without a connector (the baseline); a
+# prefill (kv_producer) and/or a decode (kv_consumer) vLLM per connector kind
+# that the combinations name (at most four); one gonixl-proxy per combination.
+# A decode serves every combination that names it, and a prefill too. Every
+# process is stopped on exit, also on failure (lib.sh), and the last lines of
+# each log are printed when the run fails.
+#
+# Environment knobs:
+#   GONIXL_INTEROP_COMBOS   comma list of PREFILL-DECODE, each side go or stock
+#                           (default go-go,stock-go,go-stock; stock-stock is the control)
+#   GONIXL_E2E_MODEL        model folder (default tests/fixtures/geometry/llama-28l-gqa
+#                           when it exists, else tests/fixtures/tiny-copy-model)
+#   GONIXL_INTEROP_PROMPTS  prompts per combination (24); GONIXL_INTEROP_CONCURRENCY (4),
+#                           GONIXL_INTEROP_REQUEST_TIMEOUT (120 s): see test_interop.py
+#   GONIXL_E2E_LOGS         log folder (default tests/e2e/logs/interop)
+#   GONIXL_E2E_TIMEOUT      seconds to wait for the servers (600)
+set -euo pipefail
+
+E2E_NAME=run_interop_test
+# shellcheck source=tests/e2e/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+if [ -n "${GONIXL_E2E_MODEL:-}" ]; then
+  MODEL=$GONIXL_E2E_MODEL
+elif [ -f "$ROOT/tests/fixtures/geometry/llama-28l-gqa/config.json" ]; then
+  MODEL=$ROOT/tests/fixtures/geometry/llama-28l-gqa
+else
+  MODEL=$ROOT/tests/fixtures/tiny-copy-model
+fi
+e2e_logs "${GONIXL_E2E_LOGS:-$ROOT/tests/e2e/logs/interop}"
+e2e_require "$MODEL"
+e2e_vllm_args "$MODEL"
+LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
+SUMMARY="$LOGS/summary.txt"
+: >"$SUMMARY"
+
+e2e_at_exit() {
+  [ -s "$SUMMARY" ] && cat "$SUMMARY" >&2
+  e2e_say "model $(basename "$MODEL"), combinations ${COMBOS[*]:-none}: $([ "$1" -eq 0 ] && echo passed || echo "FAILED (rc=$1)") in $(e2e_elapsed) s (servers ready after ${READY_S:-n/a} s; load average at start $LOAD0, now $(cut -d' ' -f1-3 /proc/loadavg))"
+}
+
+# The combinations, checked and without repeats.
+COMBOS=()
+IFS=',' read -r -a _requested <<<"${GONIXL_INTEROP_COMBOS:-go-go,stock-go,go-stock}"
+for c in "${_requested[@]}"; do
+  c=${c// /}
+  [ -n "$c" ] || continue
+  [[ $c =~ ^(go|stock)-(go|stock)$ ]] || { e2e_say "bad combination '$c' in GONIXL_INTEROP_COMBOS (want PREFILL-DECODE, each go or stock)"; exit 2; }
+  [[ " ${COMBOS[*]} " == *" $c "* ]] || COMBOS+=("$c")
+done
+[ ${#COMBOS[@]} -gt 0 ] || { e2e_say "GONIXL_INTEROP_COMBOS names no combination"; exit 2; }
+
+# Connector instances: prefill-go, prefill-stock, decode-go, decode-stock, as needed.
+# VLLM_SERVER_DEV_MODE=1 serves /reset_prefix_cache, which test_interop.py
+# calls between combinations.
+declare -A PORT SIDE
+kv_config() { # kind role
+  if [ "$1" = go ]; then gonixl_kv_config "$2" nixl; else stock_kv_config "$2"; fi
+}
+for c in "${COMBOS[@]}"; do
+  for inst in "prefill-${c%-*}" "decode-${c#*-}"; do
+    [ -z "${PORT[$inst]:-}" ] || continue
+    PORT[$inst]=$(free_port); SIDE[$inst]=$(free_port)
+    role=kv_producer; [ "${inst%-*}" = decode ] && role=kv_consumer
+    start_vllm "$inst" "${PORT[$inst]}" "${SIDE[$inst]}" "$(kv_config "${inst#*-}" "$role")" VLLM_SERVER_DEV_MODE=1
+  done
+done
+A_PORT=$(free_port)
+start_vllm baseline "$A_PORT"
+declare -A PROXY
+for c in "${COMBOS[@]}"; do
+  PROXY[$c]=$(free_port)
+  start_proxy "proxy-$c" "${PROXY[$c]}" "${PORT[prefill-${c%-*}]}" "${PORT[decode-${c#*-}]}"
+done
+e2e_say "model $MODEL; combinations ${COMBOS[*]}; instances ${!PORT[*]} + baseline; logs in $LOGS"
+
+for c in "${COMBOS[@]}"; do wait_ready "proxy-$c" "http://127.0.0.1:${PROXY[$c]}/healthcheck"; done
+for inst in "${!PORT[@]}"; do wait_ready "$inst" "http://127.0.0.1:${PORT[$inst]}/health"; done
+wait_ready baseline "http://127.0.0.1:$A_PORT/health"
+READY_S=$(e2e_elapsed)
+
+# What test_interop.py needs, as JSON.
+TOPO=$(
+  for inst in "${!PORT[@]}"; do printf 'I %s http://127.0.0.1:%s %s\n' "$inst" "${PORT[$inst]}" "$LOGS/$inst.log"; done
+  for c in "${COMBOS[@]}"; do printf 'C %s http://127.0.0.1:%s\n' "$c" "${PROXY[$c]}"; done
+)
+GONIXL_INTEROP_TOPOLOGY=$(MODEL="$MODEL" BASELINE="http://127.0.0.1:$A_PORT" "$PY" -c '
+import json, os, sys
+t = {"model": os.environ["MODEL"], "baseline": os.environ["BASELINE"], "instances": {}, "combos": {}}
+for line in sys.stdin.read().splitlines():
+    kind, name, url, *log = line.split(" ", 3)
+    if kind == "I":
+        t["instances"][name] = {"url": url, "log": log[0]}
+    else:
+        t["combos"][name] = {"proxy": url}
+print(json.dumps(t))' <<<"$TOPO")
+export GONIXL_INTEROP_TOPOLOGY GONIXL_INTEROP_SUMMARY="$SUMMARY"
+"$PY" -m pytest -q -rA -p no:cacheprovider "$ROOT/tests/e2e/test_interop.py"
