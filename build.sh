@@ -96,6 +96,17 @@ cmd_test() {
   # shim's 1 ms delay; docs/ENVIRONMENT.md).
   log "e2e: tests/e2e/run_accuracy_test.sh with GONIXL_E2E_ENGINE=nixl"
   GONIXL_E2E_ENGINE=nixl bash tests/e2e/run_accuracy_test.sh
+  # Real model geometries, and interop with vLLM's stock NixlConnector in
+  # both directions (stock prefill -> gonixl decode, gonixl prefill -> stock
+  # decode, and gonixl on both sides), each against the aggregated baseline:
+  # a 28-layer GQA Llama (layer order: layers.10 after layers.9) and a
+  # hybrid model with sliding-window and full-attention KV-cache groups.
+  local m
+  for m in llama-28l-gqa hybrid-swa; do
+    log "e2e: tests/e2e/run_interop_test.sh on tests/fixtures/geometry/$m"
+    GONIXL_E2E_MODEL="tests/fixtures/geometry/$m" GONIXL_E2E_LOGS="tests/e2e/logs/interop-$m" \
+      bash tests/e2e/run_interop_test.sh
+  done
 }
 
 ## demo: the main job (setup and build first)
