@@ -16,7 +16,9 @@ its workers; a Go runtime does not survive fork).
 
 from __future__ import annotations
 
+import array
 import ctypes
+import hashlib
 import json
 import os
 import platform
@@ -114,6 +116,23 @@ class GoNixlHandshakeMetadata(KVConnectorHandshakeMetadata):
 
     def __init__(self, payload: bytes):
         self.payload = payload
+
+
+# gonixl's addition to the prefill's kv_transfer_params: a digest of the
+# prompt tokens whose KV its blocks hold. A gonixl decode checks it against
+# its own prompt before it uses the blocks, so parameters that belong to
+# another request (a proxy mix-up, a client replaying someone else's) are
+# never computed from. vLLM's stock connector ignores unknown keys; params
+# from a stock prefill carry no digest and are unchecked.
+PROMPT_DIGEST_KEY = "gonixl_prompt_digest"
+
+
+def prompt_digest(token_ids: Any, n: int) -> Optional[str]:
+    """The digest of the first n prompt token ids, or None without ids."""
+    if token_ids is None or n <= 0 or n > len(token_ids):
+        return None
+    h = hashlib.blake2b(array.array("q", token_ids[:n]).tobytes(), digest_size=16)
+    return "blake2b-128:" + h.hexdigest()
 
 
 def _s(x: Optional[str]) -> bytes:
@@ -335,13 +354,40 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished_count(self) -> Optional[int]:
         return None
 
+    def _check_prompt_digest(self, request: "Request") -> None:
+        """Drop remote-prefill parameters whose prompt digest does not match
+        this request's prompt: the prompt is then computed locally, and the
+        prefill named in them is neither read from nor notified (its blocks
+        may belong to another live request; they are freed at its lease)."""
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_prefill") or PROMPT_DIGEST_KEY not in p:
+            return
+        want = p.get(PROMPT_DIGEST_KEY)
+        n = p.get("remote_num_tokens")
+        got = prompt_digest(request.prompt_token_ids, n) if isinstance(n, int) else None
+        if got is not None and got == want:
+            return
+        logger.error(
+            "GoNixlConnector: request %s: kv_transfer_params from engine %s (request %s) hold the KV of another prompt "
+            "(prompt digest mismatch over %s tokens); computing the prompt locally",
+            request.request_id,
+            p.get("remote_engine_id"),
+            p.get("remote_request_id"),
+            n,
+        )
+        request.kv_transfer_params = {k: v for k, v in p.items() if not k.startswith("remote_") and k != PROMPT_DIGEST_KEY}
+        request.kv_transfer_params["do_remote_prefill"] = False
+        request.kv_transfer_params["gonixl_prompt_mismatch"] = True
+
     def on_new_request(self, request: "Request") -> None:
+        self._check_prompt_digest(request)
         rid, pj = _s(request.request_id), _params_json(request)
         if not pj:
             return
         self._call_request("gonixl_scheduler_on_new_request", request, self._sched, rid, len(rid), pj, len(pj))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        self._check_prompt_digest(request)
         pj = _params_json(request)
         if not pj:
             return 0, False
@@ -449,7 +495,12 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         if request.kv_transfer_params is not None and request.kv_transfer_params.get("do_remote_prefill"):
             request.kv_transfer_params["do_remote_prefill"] = False
-        return bool(delay.value), (json.loads(out) if out else None)
+        params = json.loads(out) if out else None
+        if params and params.get("do_remote_prefill"):
+            digest = prompt_digest(request.prompt_token_ids, params.get("remote_num_tokens") or 0)
+            if digest is not None:
+                params[PROMPT_DIGEST_KEY] = digest
+        return bool(delay.value), params
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})

@@ -19,6 +19,7 @@ Run: GONIXL_LIB_PATH=build/libgonixl.so .venv/bin/python -m pytest -q tests/pyth
 from __future__ import annotations
 
 import ast
+import copy
 import importlib.util
 import inspect
 import json
@@ -41,9 +42,12 @@ if importlib.util.find_spec("vllm") is None:  # pragma: no cover - environment
 import connector_harness as h  # noqa: E402  (imports vLLM)
 import torch  # noqa: E402
 
+import gonixl.vllm  # noqa: E402
+
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 P_BLOCKS = 40  # the prefill's KV cache, in blocks
@@ -227,7 +231,9 @@ def test_request_finished_returns_vllms_kv_transfer_params(pd):
     p, d = pd
     pre, dr, _ = transfer(p, d, "keys", 70)
     params = pre.params
-    assert set(params) == vllm_request_finished_keys(), sorted(params)
+    # vLLM's keys, plus gonixl's digest of the prompt the blocks hold.
+    assert set(params) == vllm_request_finished_keys() | {"gonixl_prompt_digest"}, sorted(params)
+    assert params["gonixl_prompt_digest"] == gonixl.vllm.prompt_digest(pre.req.prompt_token_ids, 70)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_block_ids"] == [pre.block_ids]  # one list per KV-cache group
     assert len(pre.block_ids) == 3
@@ -267,6 +273,33 @@ def test_request_finished_without_blocks_or_params(pd):
     assert delay is False
     assert params is not None and set(params) == vllm_request_finished_keys()
     assert params["remote_num_tokens"] == 0 and params["do_remote_prefill"] is True
+
+
+def test_params_of_another_prompt_are_never_used(pd):
+    """A decode request carrying the kv_transfer_params of another prompt of
+    the same length (a proxy mix-up, or a client replaying someone else's
+    parameters) is computed locally: no READ of the other request's blocks,
+    and no notification that would free them under their owner."""
+    p, d = pd
+    pre = h.prefill(p, "owner-p", 70, seed=5.0)
+    req = d.request("intruder-d", 70, copy.deepcopy(pre.params), max_tokens=4)
+    req.prompt_token_ids[40] = (req.prompt_token_ids[40] + 1) % 60  # one token differs
+    stats_before = len(d.out.stats)
+    d.add_request(req)
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert not req.kv_transfer_params.get("do_remote_prefill")
+    assert not any(k.startswith("remote_") for k in req.kv_transfer_params)
+    d.sched.update_state_after_alloc(req, KVCacheBlocks((d.alloc(3),)), 0)
+    h.run_steps([p, d], 5)
+    assert "owner-p" in p.held, "the owner's blocks were freed by the intruder's request"
+    assert "owner-p" not in p.out.sending
+    assert not any(s.data.get("transfer_duration") for s in d.out.stats[stats_before:])
+    # The owner's own decode still reads them.
+    before = d.snapshot()
+    dr = h.schedule_decode(d, "owner-d", 70, pre.params)
+    wait_transfer_done(p, d, pre, dr)
+    assert_blocks_copied(p, d, pre.block_ids, dr.new_blocks, before)
+    finish_decode(d, dr)
 
 
 def test_request_finished_without_blocks_keeps_the_group_shape(pd):
