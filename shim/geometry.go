@@ -211,3 +211,39 @@ func firstGeometryDifference(remote, local kvGeometry) string {
 	}
 	return ""
 }
+
+// compatHashes returns this engine's compatibility hash and hints for the
+// hashes a peer on another transfer engine would have. A gonixl engine with
+// its own transport (ucx) can only pair with the same transport, so its
+// hash has gonixl_transfer_engine; NIXL keeps vLLM's exact hash (so stock
+// vLLM pairs with it). Two engines that differ only there cannot exchange
+// KV, whatever enforce_handshake_compat says: the hint makes that one line.
+func compatHashes(factors map[string]any, engine string) (string, map[string]string, error) {
+	with := func(e string) (string, error) {
+		f := maps.Clone(factors)
+		if e != "nixl" {
+			f["gonixl_transfer_engine"] = e
+		}
+		return sidechannel.HashFactors(f)
+	}
+	hash, err := with(engine)
+	if err != nil {
+		return "", nil, err
+	}
+	hints := map[string]string{}
+	for _, other := range []string{"nixl", "ucx"} {
+		if other == engine {
+			continue
+		}
+		h, err := with(other)
+		if err != nil {
+			return "", nil, err
+		}
+		who := "a gonixl engine with transfer_engine " + other
+		if other == "nixl" {
+			who = "vLLM's NixlConnector or a gonixl engine with transfer_engine nixl"
+		}
+		hints[h] = fmt.Sprintf("the remote engine is %s, this engine uses transfer_engine %s: both sides must use the same transport (set transfer_engine to %s here, or change the remote)", who, engine, other)
+	}
+	return hash, hints, nil
+}

@@ -406,3 +406,25 @@ func TestHybridGroupsTransfer(t *testing.T) {
 		}
 	}
 }
+
+func TestCompatHashesNameTheOtherTransport(t *testing.T) {
+	f := map[string]any{"model": "m", "vllm_version": "0.32.0"}
+	ucx, ucxHints, err := compatHashes(f, "ucx")
+	if err != nil {
+		t.Fatal(err)
+	}
+	nixlHash, nixlHints, err := compatHashes(f, "nixl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, _ := sidechannel.HashFactors(f) // vLLM's hash: what a stock peer sends
+	if nixlHash != want || ucx == nixlHash {
+		t.Fatalf("nixl hash %s (vLLM's %s), ucx hash %s", nixlHash, want, ucx)
+	}
+	if h := ucxHints[nixlHash]; !strings.Contains(h, "vLLM's NixlConnector") || !strings.Contains(h, "transfer_engine ucx") {
+		t.Fatalf("ucx engine's hint for a NIXL peer: %q", h)
+	}
+	if h := nixlHints[ucx]; !strings.Contains(h, "transfer_engine ucx") {
+		t.Fatalf("nixl engine's hint for a ucx peer: %q", h)
+	}
+}

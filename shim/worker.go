@@ -214,12 +214,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	}
 	factors["attn_backend_name"] = init.AttnBackend
 	factors["nixl_connector_version"] = sidechannel.NIXLConnectorVersion
-	if eng.Name() != "nixl" {
-		// A gonixl engine speaking its own transport can only pair with the
-		// same transport; NIXL-based engines keep vLLM's exact hash.
-		factors["gonixl_transfer_engine"] = eng.Name()
-	}
-	hash, err := sidechannel.HashFactors(factors)
+	hash, hints, err := compatHashes(factors, eng.Name())
 	if err != nil {
 		return fmt.Errorf("compatibility hash: %w", err)
 	}
@@ -247,6 +242,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	w.hs = sidechannel.NewClient(sidechannel.ClientConfig{
 		CompatHash:          hash,
 		AllowCompatMismatch: !w.cfg.EnforceHandshakeCompat,
+		CompatHints:         hints,
 		Secret:              sidechannel.ResolveSecret(w.cfg.SideChannelSecret, env),
 		Timeout:             time.Duration(w.cfg.HandshakeTimeout * float64(time.Second)),
 		Clock:               w.clock,

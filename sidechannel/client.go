@@ -23,7 +23,11 @@ type ClientConfig struct {
 	// AllowCompatMismatch is kv_connector_extra_config
 	// enforce_handshake_compat=false: a hash mismatch is logged, not fatal.
 	AllowCompatMismatch bool
-	Secret              []byte // optional shared secret
+	// CompatHints explains known remote hashes that differ from CompatHash
+	// (e.g. the hash this engine would have with another transfer engine):
+	// a mismatch with one of them says why in one line.
+	CompatHints map[string]string
+	Secret      []byte // optional shared secret
 
 	RecvTimeout  time.Duration // per query (connect + reply), default 5 s
 	Timeout      time.Duration // whole handshake, default 30 s
@@ -352,6 +356,9 @@ func (c *Client) query(ctx context.Context, z *zconn, rank Rank, res *Result) (*
 		res.ClockOffset = remote - (tSend+tRecv)/2
 	}
 	if payload.CompatibilityHash != c.cfg.CompatHash {
+		if hint, ok := c.cfg.CompatHints[payload.CompatibilityHash]; ok {
+			return nil, false, fmt.Errorf("%w: %s (local %s, remote %s)", ErrCompatMismatch, hint, c.cfg.CompatHash, payload.CompatibilityHash)
+		}
 		if !c.cfg.AllowCompatMismatch {
 			return nil, false, fmt.Errorf("%w. Local: %s, Remote: %s. Prefill and decode instances have incompatible "+
 				"configurations (vLLM version, model, dtype, attention backend, transfer engine, ...). "+

@@ -96,6 +96,9 @@ func TestHandshakeFailures(t *testing.T) {
 	}{
 		{"hash mismatch names both hashes", ClientConfig{CompatHash: "hash-B"}, "engine-P", ErrCompatMismatch,
 			[]string{"Local: hash-B", "Remote: hash-A", "enforce_handshake_compat"}},
+		{"known other transport says so", ClientConfig{CompatHash: "hash-B", AllowCompatMismatch: true,
+			CompatHints: map[string]string{"hash-A": "the remote engine uses another transport"}}, "engine-P", ErrCompatMismatch,
+			[]string{"the remote engine uses another transport", "remote hash-A"}},
 		{"engine id mismatch", ClientConfig{}, "engine-X", ErrEngineMismatch, []string{`expected "engine-X", received "engine-P"`}},
 		{"secret on the client only", ClientConfig{Secret: []byte("s")}, "engine-P", ErrAuth,
 			[]string{"auth-unsupported", "this listener has no side-channel secret configured"}},
