@@ -171,11 +171,7 @@ func (c *Config) applyDefaults() error {
 	if c.BidirectionalKVXfer, err = x.bool("bidirectional_kv_xfer", false); err != nil {
 		return err
 	}
-	defThreshold := 0
-	if c.BidirectionalKVXfer {
-		defThreshold = 64
-	}
-	if c.KVRecomputeThreshold, err = x.int("kv_recompute_threshold", defThreshold); err != nil {
+	if c.KVRecomputeThreshold, err = x.int("kv_recompute_threshold", 64); err != nil { // vLLM's default, in every mode
 		return err
 	}
 	if c.EnforceHandshakeCompat, err = x.bool("enforce_handshake_compat", true); err != nil {
