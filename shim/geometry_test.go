@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/nixl/nixltest"
@@ -426,5 +427,151 @@ func TestCompatHashesNameTheOtherTransport(t *testing.T) {
 	}
 	if h := nixlHints[ucx]; !strings.Contains(h, "transfer_engine ucx") {
 		t.Fatalf("nixl engine's hint for a ucx peer: %q", h)
+	}
+}
+
+// ppSide is one engine with pipeline parallelism: one scheduler and a
+// worker per stage, each stage's worker holding its own layers and served
+// under its pp_rank, as vLLM runs them.
+type ppSide struct {
+	sched   *Scheduler
+	workers []*Worker
+	mems    [][]*nixltest.Mem
+	port    int
+}
+
+func newPPSide(t *testing.T, eng nixl.Engine, kvRole, id string, stages [][]string) *ppSide {
+	t.Helper()
+	port := freePort(t)
+	cfg := func(role Role, pp int) *Config {
+		raw := map[string]any{
+			"role": role, "kv_role": kvRole, "engine_id": id, "pp_size": len(stages), "pp_rank": pp,
+			"side_channel_host": "127.0.0.1", "side_channel_port": port, "block_size": 4,
+			"compat_factors": map[string]any{"model": "m", "dtype": "torch.float32"},
+		}
+		b, _ := json.Marshal(raw)
+		c, err := ParseConfig(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	s, err := NewScheduler(cfg(RoleScheduler, 0), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ps := &ppSide{sched: s, port: port}
+	t.Cleanup(func() { _ = s.Close() })
+	for pp, names := range stages {
+		w, err := NewWorker(cfg(RoleWorker, pp), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w.engineOverride = eng
+		t.Cleanup(func() { _ = w.Close() })
+		layers, mems := cpuCaches(t, len(names), byte(40*pp+len(id)), func(i int) string { return names[i] }, fullGroup, noShare)
+		if err := w.RegisterKVCaches(&WorkerInit{Layers: layers, NumBlocks: 8, BlockSize: 4, AttnBackend: "CPU_ATTN", KVCacheLayout: "LBHNC"}); err != nil {
+			t.Fatal(err)
+		}
+		payload, err := w.HandshakePayload()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.SetHandshakePayload(pp, 0, payload); err != nil {
+			t.Fatal(err)
+		}
+		ps.workers = append(ps.workers, w)
+		ps.mems = append(ps.mems, mems)
+	}
+	return ps
+}
+
+// step feeds one scheduler step's metadata to every stage's worker.
+func (ps *ppSide) step(t *testing.T) {
+	t.Helper()
+	b, err := ps.sched.BuildMeta()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range ps.workers {
+		if err := w.StartLoadKV(b); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// Pipeline parallelism: each decode stage reads its own layers from the
+// prefill's worker of the same stage; a decode whose stages split the
+// layers differently is refused at handshake by the stage that sees it.
+func TestPipelineStagesReadTheirOwnLayers(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	names := func(lo, hi int) []string {
+		var out []string
+		for i := lo; i < hi; i++ {
+			out = append(out, fmt.Sprintf("model.layers.%d.self_attn.attn", i))
+		}
+		return out
+	}
+	p := newPPSide(t, eng, "kv_producer", "p", [][]string{names(0, 6), names(6, 12)})
+	d := newPPSide(t, eng, "kv_consumer", "d", [][]string{names(0, 6), names(6, 12)})
+	odd := newPPSide(t, eng, "kv_consumer", "odd", [][]string{names(0, 5), names(5, 12)})
+
+	in := mustParams(t, `{"do_remote_decode": true}`)
+	for _, id := range []string{"r1", "r2"} {
+		if _, err := p.sched.UpdateStateAfterAlloc(id, in, nil, []int64{0}, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.step(t)
+	_, out1, _ := p.sched.RequestFinished("r1", in, true, 8, BlockIDs{{2, 3}})
+	_, out2, _ := p.sched.RequestFinished("r2", in, true, 8, BlockIDs{{4, 5}})
+	p.step(t)
+
+	load := func(ps *ppSide, id string, out []byte) []Finished {
+		dp := mustParams(t, string(out))
+		if _, err := ps.sched.UpdateStateAfterAlloc(id, dp, BlockIDs{{6, 7}}, []int64{0}, 8); err != nil {
+			t.Fatal(err)
+		}
+		ps.step(t)
+		res := make([]Finished, len(ps.workers))
+		deadline := time.Now().Add(10 * time.Second)
+		for pp, w := range ps.workers {
+			for !contains(res[pp].Recving, id) {
+				if time.Now().After(deadline) {
+					t.Fatalf("stage %d never finished %s: %+v", pp, id, res[pp])
+				}
+				b, err := w.GetFinished()
+				if err != nil {
+					t.Fatal(err)
+				}
+				var f Finished
+				_ = json.Unmarshal(b, &f)
+				res[pp].Recving = append(res[pp].Recving, f.Recving...)
+				res[pp].Failed = append(res[pp].Failed, f.Failed...)
+				time.Sleep(2 * time.Millisecond)
+			}
+		}
+		return res
+	}
+	res := load(d, "d1", out1)
+	const blk = 512
+	for pp := range d.workers {
+		if len(res[pp].Failed) != 0 {
+			t.Fatalf("stage %d failed: %+v", pp, res[pp])
+		}
+		for l := range d.mems[pp] {
+			for i, b := range []int{2, 3} {
+				got := d.mems[pp][l].Bytes[(6+i)*blk : (7+i)*blk]
+				if !bytes.Equal(got, p.mems[pp][l].Bytes[b*blk:(b+1)*blk]) {
+					t.Fatalf("stage %d layer %d: block %d is not the prefill stage's block %d", pp, l, 6+i, b)
+				}
+			}
+		}
+	}
+	res = load(odd, "o2", out2)
+	for pp := range odd.workers {
+		if !contains(res[pp].Failed, "o2") {
+			t.Fatalf("stage %d of a decode with another layer split did not fail: %+v", pp, res[pp])
+		}
 	}
 }
