@@ -134,18 +134,7 @@ func geoSide(t *testing.T, eng nixl.Engine, kvRole, id string, groups []Transfer
 	if err != nil {
 		t.Fatal(err)
 	}
-	w.engineOverride = eng
-	if err := w.RegisterKVCaches(&WorkerInit{Layers: layers, NumBlocks: 8, BlockSize: 4, AttnBackend: "CPU_ATTN", KVCacheLayout: "LBHNC"}); err != nil {
-		t.Fatal(err)
-	}
-	payload, err := w.HandshakePayload()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.SetHandshakePayload(0, 0, payload); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = w.Close(); _ = s.Close() })
+	registerAndServe(t, s, w, eng, 0, cpuInit(layers))
 	return &side{sched: s, work: w, port: port}
 }
 
@@ -175,6 +164,10 @@ func cpuCaches(t *testing.T, n int, fill byte, name func(int) string, group func
 		layers = append(layers, cpuLayer(name(i), base, g, kind, win))
 	}
 	return layers, mems
+}
+
+func cpuInit(layers []LayerTensor) *WorkerInit {
+	return &WorkerInit{Layers: layers, NumBlocks: 8, BlockSize: 4, AttnBackend: "CPU_ATTN", KVCacheLayout: "LBHNC"}
 }
 
 func fullGroup(int) (int, string, int64) { return 0, "full", 0 }
@@ -461,25 +454,13 @@ func newPPSide(t *testing.T, eng nixl.Engine, kvRole, id string, stages [][]stri
 		t.Fatal(err)
 	}
 	ps := &ppSide{sched: s, port: port}
-	t.Cleanup(func() { _ = s.Close() })
 	for pp, names := range stages {
 		w, err := NewWorker(cfg(RoleWorker, pp), nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		w.engineOverride = eng
-		t.Cleanup(func() { _ = w.Close() })
 		layers, mems := cpuCaches(t, len(names), byte(40*pp+len(id)), func(i int) string { return names[i] }, fullGroup, noShare)
-		if err := w.RegisterKVCaches(&WorkerInit{Layers: layers, NumBlocks: 8, BlockSize: 4, AttnBackend: "CPU_ATTN", KVCacheLayout: "LBHNC"}); err != nil {
-			t.Fatal(err)
-		}
-		payload, err := w.HandshakePayload()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := s.SetHandshakePayload(pp, 0, payload); err != nil {
-			t.Fatal(err)
-		}
+		registerAndServe(t, s, w, eng, pp, cpuInit(layers))
 		ps.workers = append(ps.workers, w)
 		ps.mems = append(ps.mems, mems)
 	}

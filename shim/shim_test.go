@@ -113,20 +113,28 @@ func newSide(t *testing.T, eng nixl.Engine, kvRole, id string, clock Clock, fill
 	if err != nil {
 		t.Fatal(err)
 	}
-	w.engineOverride = eng
 	km := newKVMem(t, fill)
-	if err := w.RegisterKVCaches(initFor(km)); err != nil {
+	registerAndServe(t, s, w, eng, 0, initFor(km))
+	return &side{sched: s, work: w, kv: km, port: port}
+}
+
+// registerAndServe registers the worker's KV caches (on eng), serves its
+// handshake payload as stage pp through the scheduler's listener, and
+// closes both at the end of the test.
+func registerAndServe(t *testing.T, s *Scheduler, w *Worker, eng nixl.Engine, pp int, init *WorkerInit) {
+	t.Helper()
+	t.Cleanup(func() { _ = w.Close(); _ = s.Close() })
+	w.engineOverride = eng
+	if err := w.RegisterKVCaches(init); err != nil {
 		t.Fatal(err)
 	}
 	payload, err := w.HandshakePayload()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.SetHandshakePayload(0, 0, payload); err != nil {
+	if err := s.SetHandshakePayload(pp, 0, payload); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = w.Close(); _ = s.Close() })
-	return &side{sched: s, work: w, kv: km, port: port}
 }
 
 // step runs one engine step: scheduler metadata into the worker.
