@@ -58,3 +58,36 @@ func TestWrongAddressKeepsWorkingConnection(t *testing.T) {
 		t.Fatalf("legitimate request failed after a bogus one: %+v", f)
 	}
 }
+
+// A lease shorter than the old fixed 5 s margin still lets READs through
+// (the margin scales with the lease), and a READ refused for lack of lease
+// tells the prefill to free its blocks at once.
+func TestShortLeaseReadsAndRefusalNotifies(t *testing.T) {
+	clock := NewFakeClock(1000)
+	eng := nixltest.NewEngine("t")
+	extra := map[string]any{"kv_lease_duration": 4}
+	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, extra)
+	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, extra)
+	if d.work.leaseMargin != 1 {
+		t.Fatalf("margin %v for a 4 s lease", d.work.leaseMargin)
+	}
+	load := func(reqID string, out []byte) {
+		t.Helper()
+		if _, err := d.sched.UpdateStateAfterAlloc(reqID, mustParams(t, string(out)), BlockIDs{{7, 8, 9}}, []int64{0}, 12); err != nil {
+			t.Fatal(err)
+		}
+		d.step(t)
+	}
+	out := prefill(t, p, "p-1", []int64{3, 4, 5}, 12)
+	clock.Advance(2.5) // 1.5 s of the 4 s lease left: more than the 1 s margin
+	load("d-1", out)
+	if f := d.waitFinished(t, "read under a 4 s lease", func(f Finished) bool { return contains(f.Recving, "d-1") }); len(f.Failed) != 0 {
+		t.Fatalf("READ refused under a 4 s lease: %+v", f)
+	}
+	out = prefill(t, p, "p-2", []int64{3, 4, 5}, 12)
+	clock.Advance(3.5) // 0.5 s left: refused
+	load("d-2", out)
+	d.waitFinished(t, "refused", func(f Finished) bool { return contains(f.Failed, "d-2") })
+	// The prefill frees on the notification, before its lease would end.
+	p.waitFinished(t, "prefill freed by the refusal's notification", func(f Finished) bool { return contains(f.Sending, "p-2") })
+}

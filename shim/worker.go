@@ -73,6 +73,7 @@ type Worker struct {
 	leaseFloor  map[string]float64 // remote request id -> lower bound of its remote lease, local clock (from heartbeats)
 	pendingFin  []byte
 	leaseExtend float64
+	leaseMargin float64 // leaseMarginFor(kv_lease_duration)
 }
 
 type remoteEngine struct {
@@ -142,6 +143,11 @@ func NewWorker(cfg *Config, clock Clock) (*Worker, error) {
 		leaseFloor: map[string]float64{},
 		// vLLM: kv_lease_duration * 2 // 3
 		leaseExtend: float64(int(cfg.KVLeaseDuration) * 2 / 3),
+		leaseMargin: leaseMarginFor(cfg.KVLeaseDuration),
+	}
+	if cfg.KVLeaseDuration < 2 {
+		w.log.Warn("kv_lease_duration is shorter than 2 s: a decode must start its READ within a quarter of it, so most transfers may be refused (kv_lease_expired) under load",
+			zap.Float64("kv_lease_duration", cfg.KVLeaseDuration))
 	}
 	if w.leaseExtend <= 0 {
 		w.leaseExtend = cfg.KVLeaseDuration * 2 / 3
@@ -374,11 +380,16 @@ func (w *Worker) readLocked(st *recvState) {
 		}
 		return
 	}
-	if left := w.leaseLeft(st); left < leaseSafetyMargin {
+	if left := w.leaseLeft(st); left < w.leaseMargin {
 		// The remote's lease ends before a READ could safely complete.
 		w.stats.RecordKVExpired()
-		w.failLocked(st, "kv_lease_expired", fmt.Sprintf("the remote lease ends in %.1fs (< %.0fs safety margin; %s); not reading blocks the prefill may reuse",
-			left, leaseSafetyMargin, w.leaseDetail(st)), nil)
+		w.failLocked(st, "kv_lease_expired", fmt.Sprintf("the remote lease ends in %.1fs (< %.2gs safety margin; %s); not reading blocks the prefill may reuse",
+			left, w.leaseMargin, w.leaseDetail(st)), nil)
+		// Nothing will be read: let the prefill free the blocks now rather
+		// than at its lease's end.
+		if err := w.agent.SendNotif(re.agent, notif); err != nil {
+			w.stats.RecordFailedNotification()
+		}
 		return
 	}
 	lidx := regionDescIDs(w.layout.Regions, w.layout.NumBlocks, local)
@@ -735,7 +746,7 @@ func (w *Worker) sendHeartbeatsLocked(hbs map[string]*HeartbeatInfo) {
 			if f, ok := w.leaseFloor[id]; ok && f > bound {
 				bound = f
 			}
-			if sent+leaseSafetyMargin < bound {
+			if sent+w.leaseMargin < bound {
 				if floor := sent + w.leaseExtend; floor > w.leaseFloor[id] {
 					w.leaseFloor[id] = floor
 				}
@@ -1008,8 +1019,15 @@ func plainJSON(v any) any {
 }
 
 // leaseSafetyMargin is how much of the remote lease must be left to start a
-// READ (vLLM's margin for its turn-2 reads).
+// READ (vLLM's margin for its turn-2 reads), for leases of 20 s and more;
+// shorter leases get a quarter of their length (a fixed 5 s would refuse
+// every READ under a lease below 5 s).
 const leaseSafetyMargin = 5.0
+
+// leaseMarginFor is the safety margin for a lease of the given length.
+func leaseMarginFor(lease float64) float64 {
+	return min(leaseSafetyMargin, lease/4)
+}
 
 // leaseLeft is how long, on this worker's clock, the remote engine will
 // still hold the request's blocks: the expiry it sent (rebased by the
