@@ -366,6 +366,9 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         n = p.get("remote_num_tokens")
         got = prompt_digest(request.prompt_token_ids, n) if isinstance(n, int) else None
         if got is not None and got == want:
+            # Checked once: a waiting request is asked about on every
+            # scheduling step, and its prompt does not change.
+            del p[PROMPT_DIGEST_KEY]
             return
         logger.error(
             "GoNixlConnector: request %s: kv_transfer_params from engine %s (request %s) hold the KV of another prompt "
