@@ -13,9 +13,10 @@ import (
 // the "nixl" engine means the same here.
 const (
 	// ParamErrMode: "auto" (default), "peer" or "none". "error_handling"
-	// is accepted as an alias. auto picks none for a peer on this host
-	// (shared memory; a dead peer is caught through /proc) and peer for
-	// any other (UCX detects its failure).
+	// is accepted as an alias. auto picks none for a peer on this host in
+	// this network namespace (shared memory; a dead peer is caught through
+	// /proc) and peer for any other (UCX then picks network transports,
+	// which reach across namespaces, and detects the peer's failure).
 	ParamErrMode = "ucx_error_handling_mode"
 	// ParamEngineConfig: raw UCX settings "KEY=VAL,KEY=VAL" (keys without
 	// the UCX_ prefix), applied with ucp_config_modify.
@@ -40,7 +41,7 @@ const (
 // UCP_ERR_HANDLING_MODE_PEER.
 func (s settings) peerModeFor(proc procID) bool {
 	if s.autoMode {
-		return !sameHost(proc)
+		return !sameNetwork(proc)
 	}
 	return s.peerMode
 }

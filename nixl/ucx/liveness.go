@@ -33,28 +33,30 @@ func thisProc() procID {
 		if err != nil {
 			return
 		}
-		ns, err := pidNS("self")
+		ns, err := nsInode("self", "pid")
 		if err != nil {
 			return
 		}
+		netns, _ := nsInode("self", "net") // 0 when unknown: never "same network"
 		start, err := startTime("self")
 		if err != nil {
 			return
 		}
-		selfProc = procID{BootID: strings.TrimSpace(string(b)), PidNS: ns, Pid: uint32(os.Getpid()), Start: start}
+		selfProc = procID{BootID: strings.TrimSpace(string(b)), PidNS: ns, NetNS: netns, Pid: uint32(os.Getpid()), Start: start}
 	})
 	return selfProc
 }
 
-func pidNS(pid string) (uint64, error) {
-	l, err := os.Readlink("/proc/" + pid + "/ns/pid")
+// nsInode returns the inode of /proc/<pid>/ns/<kind> ("pid", "net").
+func nsInode(pid, kind string) (uint64, error) {
+	l, err := os.Readlink("/proc/" + pid + "/ns/" + kind)
 	if err != nil {
 		return 0, err
 	}
 	// "pid:[4026531836]"
 	i, j := strings.IndexByte(l, '['), strings.IndexByte(l, ']')
 	if i < 0 || j < i {
-		return 0, fmt.Errorf("unexpected pid namespace link %q", l)
+		return 0, fmt.Errorf("unexpected %s namespace link %q", kind, l)
 	}
 	return strconv.ParseUint(l[i+1:j], 10, 64)
 }
@@ -82,6 +84,16 @@ func statOf(pid string) (uint64, string, error) {
 	}
 	s, err := strconv.ParseUint(f[19], 10, 64)
 	return s, f[0], err
+}
+
+// sameNetwork reports whether p runs in this process's network namespace
+// on this host. UCX's shared-memory and cma lanes are chosen by host (boot
+// id), but their wake-up signalling does not cross network namespaces (two
+// pods on one node): an endpoint to a peer in another namespace must use
+// network transports.
+func sameNetwork(p procID) bool {
+	me := thisProc()
+	return sameHost(p) && me.NetNS != 0 && p.NetNS == me.NetNS
 }
 
 // sameHost reports whether p can be checked through this host's /proc.

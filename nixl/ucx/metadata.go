@@ -9,7 +9,7 @@ import (
 	"github.com/gonixl/gonixl/nixl"
 )
 
-// Metadata wire format (little endian), version 2:
+// Metadata wire format (little endian), version 3:
 //
 //	magic    8 bytes  "GXUCXMD\x00"
 //	version  u16      1
@@ -21,6 +21,7 @@ import (
 //	pidns    u64      inode of /proc/self/ns/pid (0 when unknown)
 //	pid      u32      writer's process id
 //	start    u64      writer's start time (field 22 of /proc/self/stat)
+//	netns    u64      inode of /proc/self/ns/net (0 when unknown; version 3 only)
 //	regions  u32 count (0..maxRegions), then per region:
 //	           mem u32, addr u64, len u64, devId u64, rkey u16 n, n bytes (1..maxRkeyLen),
 //	           shm u8 (0 or 1; version 2 only), and when 1: fd u32, inode u64,
@@ -29,14 +30,14 @@ import (
 //	           see shm.go)
 //	crc      u32      CRC-32C of every byte before it
 //
-// A reader accepts versions 1 (no shm byte) and 2.
+// A reader accepts versions 1 (no shm byte), 2 (no netns) and 3.
 // Nothing may follow the checksum. The worker address and rkeys are parsed
 // by UCX itself, which trusts their inner lengths; the checksum keeps a
 // truncated or corrupted blob from ever reaching it. A reader checks every length against
 // what remains before it reads, so a truncated or garbage blob is an error.
 const (
 	mdMagic    = "GXUCXMD\x00"
-	mdVersion  = 2
+	mdVersion  = 3
 	mdOldest   = 1    // oldest version this build reads
 	maxNameLen = 1024 // also the C side's GX_MAX_NAME
 	maxAddrLen = 1 << 20
@@ -58,6 +59,7 @@ type metadata struct {
 type procID struct {
 	BootID string
 	PidNS  uint64
+	NetNS  uint64 // 0: unknown (a version-2 writer)
 	Pid    uint32
 	Start  uint64
 }
@@ -95,7 +97,7 @@ func (m *metadata) encode() ([]byte, error) {
 	if len(m.Proc.BootID) > 255 {
 		return nil, fmt.Errorf("boot id of %d bytes", len(m.Proc.BootID))
 	}
-	size := 8 + 2 + 2 + 4 + 2 + len(m.Name) + 4 + len(m.Address) + 1 + len(m.Proc.BootID) + 8 + 4 + 8 + 4 + 4
+	size := 8 + 2 + 2 + 4 + 2 + len(m.Name) + 4 + len(m.Address) + 1 + len(m.Proc.BootID) + 8 + 4 + 8 + 8 + 4 + 4
 	for _, r := range m.Regions {
 		if len(r.Rkey) == 0 || len(r.Rkey) > maxRkeyLen {
 			return nil, fmt.Errorf("rkey length %d outside 1..%d", len(r.Rkey), maxRkeyLen)
@@ -119,6 +121,7 @@ func (m *metadata) encode() ([]byte, error) {
 	b = binary.LittleEndian.AppendUint64(b, m.Proc.PidNS)
 	b = binary.LittleEndian.AppendUint32(b, m.Proc.Pid)
 	b = binary.LittleEndian.AppendUint64(b, m.Proc.Start)
+	b = binary.LittleEndian.AppendUint64(b, m.Proc.NetNS)
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(m.Regions)))
 	for _, r := range m.Regions {
 		b = binary.LittleEndian.AppendUint32(b, uint32(r.Mem))
@@ -227,6 +230,9 @@ func decodeMetadata(b []byte) (*metadata, error) {
 	m.Proc.PidNS = r.u64("pid namespace")
 	m.Proc.Pid = r.u32("pid")
 	m.Proc.Start = r.u64("start time")
+	if version >= 3 {
+		m.Proc.NetNS = r.u64("network namespace")
+	}
 	n := r.u32("region count")
 	if r.err == nil && n > maxRegions {
 		return nil, fmt.Errorf("region count %d above %d", n, maxRegions)

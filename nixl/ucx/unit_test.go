@@ -2,7 +2,9 @@ package ucx
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
+	"hash/crc32"
 	"math/rand"
 	"reflect"
 	"testing"
@@ -109,7 +111,7 @@ func TestCoalesceTypicalRequest(t *testing.T) {
 
 func TestMetadataRoundTrip(t *testing.T) {
 	m := &metadata{UCXVersion: 1<<16 | 13<<8 | 1, Name: "agent-ü", Address: []byte{1, 2, 3, 4, 5},
-		Proc: procID{BootID: "b", PidNS: 7, Pid: 42, Start: 99},
+		Proc: procID{BootID: "b", PidNS: 7, NetNS: 8, Pid: 42, Start: 99},
 		Regions: []mdRegion{
 			{Mem: nixl.DRAM, Addr: 0x1000, Len: 4096, DevID: 0, Rkey: []byte{9, 9}},
 			{Mem: nixl.VRAM, Addr: 0x9000, Len: 1, DevID: 3, Rkey: bytes.Repeat([]byte{7}, 300)},
@@ -144,6 +146,29 @@ func TestMetadataRoundTrip(t *testing.T) {
 		if _, err := bad.encode(); err == nil {
 			t.Errorf("encode(%+v): no error", bad)
 		}
+	}
+}
+
+// A version-2 blob (no network namespace) still decodes, with NetNS 0.
+func TestMetadataVersion2(t *testing.T) {
+	m := &metadata{Name: "a", Address: []byte{1}, Proc: procID{BootID: "b", PidNS: 7, NetNS: 8, Pid: 42, Start: 99},
+		Regions: []mdRegion{{Addr: 1, Len: 1, Rkey: []byte{1}}}}
+	b, err := m.encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Rewrite as version 2: drop the 8 namespace bytes after the start time.
+	at := len(mdMagic) + 2 + 2 + 4 + 2 + len(m.Name) + 4 + len(m.Address) + 1 + len(m.Proc.BootID) + 8 + 4 + 8
+	v2 := append(append([]byte(nil), b[:at]...), b[at+8:len(b)-4]...)
+	binary.LittleEndian.PutUint16(v2[len(mdMagic):], 2)
+	v2 = binary.LittleEndian.AppendUint32(v2, crc32.Checksum(v2, castagnoli))
+	got, err := decodeMetadata(v2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Proc.NetNS = 0
+	if !reflect.DeepEqual(got, m) {
+		t.Fatalf("version 2:\n got %+v\nwant %+v", got, m)
 	}
 }
 
@@ -191,6 +216,22 @@ func TestResolveSettings(t *testing.T) {
 	s, _ = resolveSettings(cfg(map[string]string{ParamErrMode: "auto"}), env(nil))
 	if s.peerModeFor(thisProc()) || !s.peerModeFor(procID{BootID: "elsewhere", Pid: 1, Start: 1}) {
 		t.Error("auto: want none on this host, peer elsewhere")
+	}
+	// Same host, another network namespace (two pods on one node): UCX's
+	// shared-memory lanes would be chosen and hang, so auto picks peer mode
+	// (network transports). A version-2 peer (no namespace) counts as
+	// another namespace.
+	other := thisProc()
+	other.NetNS++
+	if thisProc().NetNS == 0 {
+		t.Fatal("this process's network namespace is unknown")
+	}
+	if !s.peerModeFor(other) || !sameHost(other) {
+		t.Error("auto: want peer mode for a same-host peer in another network namespace")
+	}
+	other.NetNS = 0
+	if !s.peerModeFor(other) {
+		t.Error("auto: want peer mode for a peer whose network namespace is unknown")
 	}
 	s, _ = resolveSettings(cfg(map[string]string{"error_handling": "NONE", ParamDevices: "lo, eth0:1", ParamEngineConfig: "UCX_TLS=tcp, MAX_EAGER_LANES=2"}), env(nil))
 	if s.peerMode || !reflect.DeepEqual(s.ucxCfg, []string{"RNDV_THRESH=inf", "NET_DEVICES=lo:1,eth0:1", "TLS=tcp", "MAX_EAGER_LANES=2"}) {
