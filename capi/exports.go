@@ -438,6 +438,28 @@ func gonixl_worker_metrics(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cer
 	})
 }
 
+//export gonixl_worker_live
+func gonixl_worker_live(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onWorker(h, cerr, func(w *shim.Worker) error {
+		b, err := json.Marshal(w.Live())
+		if err != nil {
+			return err
+		}
+		return writeOut(buf, lenp, b)
+	})
+}
+
+//export gonixl_scheduler_live
+func gonixl_scheduler_live(h C.gonixl_scheduler_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
+		b, err := json.Marshal(s.Live())
+		if err != nil {
+			return err
+		}
+		return writeOut(buf, lenp, b)
+	})
+}
+
 //export gonixl_worker_close
 func gonixl_worker_close(h C.gonixl_worker_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return guard(cerr, func() error {

@@ -157,6 +157,12 @@ gonixl_status_t gonixl_scheduler_set_handshake_payload(gonixl_scheduler_t h, int
  * of the same handle returns GONIXL_ERR_INVALID_HANDLE. */
 gonixl_status_t gonixl_scheduler_close(gonixl_scheduler_t h, gonixl_error_t *err);
 
+/* Live state as a JSON object: awaiting_kv, send_pending, heartbeat_leases
+ * (all 0 at rest) and the counters side_channel_served, side_channel_refused.
+ * Size-negotiated. */
+gonixl_status_t gonixl_scheduler_live(gonixl_scheduler_t h, char *buf, size_t *len,
+                                      gonixl_error_t *err);
+
 /* ---------------------------------------------------------------------
  * Worker side (one per TP/PP rank).
  * --------------------------------------------------------------------- */
@@ -200,6 +206,14 @@ gonixl_status_t gonixl_worker_stats(gonixl_worker_t h, char *buf, size_t *len,
 /* gonixl's own Prometheus registry in the text exposition format. */
 gonixl_status_t gonixl_worker_metrics(gonixl_worker_t h, char *buf, size_t *len,
                                       gonixl_error_t *err);
+
+/* Live state as a JSON object: transfer_handles, stuck_handles,
+ * receiving_requests, held_leases, pending_handshakes, remote_engines, and
+ * the counters panics and handshakes_refused. At rest every count but
+ * remote_engines (a cache) is 0; a soak checks them for leaks. Also gauges
+ * in gonixl's Prometheus registry (GONIXL_METRICS_PORT). Size-negotiated. */
+gonixl_status_t gonixl_worker_live(gonixl_worker_t h, char *buf, size_t *len,
+                                   gonixl_error_t *err);
 
 /* Stops the worker (in-flight transfers, agent) and frees the handle. */
 gonixl_status_t gonixl_worker_close(gonixl_worker_t h, gonixl_error_t *err);

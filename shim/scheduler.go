@@ -7,6 +7,7 @@ import (
 	"sort"
 	"sync"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
 	"github.com/gonixl/gonixl/sidechannel"
@@ -32,6 +33,7 @@ type Scheduler struct {
 	lastHeartbeat     float64
 	hbInterval        float64
 	listener          *sidechannel.Listener
+	reg               *prometheus.Registry // live gauges
 }
 
 type hbTarget struct {
@@ -69,6 +71,8 @@ func NewScheduler(cfg *Config, clock Clock) (*Scheduler, error) {
 		zap.String("kv_role", cfg.KVRole),
 		zap.Float64("kv_lease_duration", cfg.KVLeaseDuration),
 		zap.String("side_channel", fmt.Sprintf("%s:%d", cfg.SideChannelHost, cfg.SideChannelPort+cfg.DPIndex)))
+	s.reg = newSchedulerRegistry(cfg.EngineID, s.Live)
+	serveMetrics(cfg, s.reg, false, s.log)
 	return s, nil
 }
 
@@ -404,6 +408,7 @@ func (s *Scheduler) Close() error {
 	s.listener = nil
 	s.closed = true
 	s.mu.Unlock()
+	unserveMetrics(s.reg)
 	if l != nil {
 		return l.Stop()
 	}

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -74,6 +75,9 @@ type Worker struct {
 	pendingFin  []byte
 	leaseExtend float64
 	leaseMargin float64 // leaseMarginFor(kv_lease_duration)
+	panics      atomic.Int64
+	stuckTotal  atomic.Int64 // handles ever held because release failed
+	hsGuard     handshakeGuard
 }
 
 type remoteEngine struct {
@@ -108,7 +112,20 @@ type inflight struct {
 	posted   float64 // this worker's clock
 	deadline float64
 	slow     bool // "still in flight" was logged
+	// A handle the engine would not release (a READ it cannot cancel):
+	// stuck is when that was first seen, nextTry the next attempt. Its
+	// request is failed but not reported to vLLM until the handle is
+	// released, so vLLM cannot reuse blocks the READ may still write.
+	stuck, nextTry float64
+	stuckLogged    float64 // last time it was logged
 }
+
+// stuckRetry is the period of release attempts for a stuck handle, and
+// stuckLogEvery how often one still stuck is logged again.
+const (
+	stuckRetry    = 1.0
+	stuckLogEvery = 60.0
+)
 
 // slowReadAfter is how long a READ may stay in flight before the worker logs
 // it (once, then again when it ends): READs take milliseconds, and a stall
@@ -152,6 +169,8 @@ func NewWorker(cfg *Config, clock Clock) (*Worker, error) {
 	if w.leaseExtend <= 0 {
 		w.leaseExtend = cfg.KVLeaseDuration * 2 / 3
 	}
+	prom.registerLive(cfg.EngineID, w.Live)
+	serveMetrics(cfg, prom.reg, true, w.log)
 	return w, nil
 }
 
@@ -559,18 +578,32 @@ func (w *Worker) startHandshakeLocked(engineID, host string, port, remoteTP int,
 		}
 		return
 	}
+	if err := w.admitHandshakeLocked(key); err != nil {
+		// Refused before any network work: fail the request now.
+		if st, ok := w.recv[reqID]; ok && st.waiting {
+			st.waiting = false
+			w.stats.RecordFailedHandshake()
+			w.failLocked(st, "handshake_failed", fmt.Sprintf("engine %s at %s:%d", engineID, host, port), err)
+		}
+		return
+	}
 	hsState = &handshakeState{}
 	if reqID != "" {
 		hsState.waiting = append(hsState.waiting, reqID)
 	}
 	w.handshakes[key] = hsState
+	// A panic on the handshake goroutine fails the requests waiting for
+	// it instead of killing vLLM's process.
+	onPanic := func(err error) { w.finishHandshake(engineID, host, port, nil, err) }
 	if remoteTP != w.cfg.TPSize {
-		go w.finishHandshake(engineID, host, port, nil, fmt.Errorf("remote engine has tp_size=%d, this engine %d: heterogeneous TP is not supported", remoteTP, w.cfg.TPSize))
+		w.goSafe("handshake with "+key, onPanic, func() {
+			w.finishHandshake(engineID, host, port, nil, fmt.Errorf("remote engine has tp_size=%d, this engine %d: heterogeneous TP is not supported", remoteTP, w.cfg.TPSize))
+		})
 		return
 	}
 	hs, rank := w.hs, sidechannel.Rank{PP: w.cfg.PPRank, TP: w.cfg.TPRank}
 	deadline := time.Now().Add(time.Duration(w.cfg.HandshakeTimeout * float64(time.Second)))
-	go func() {
+	w.goSafe("handshake with "+key, onPanic, func() {
 		// A busy or just-starting peer can miss one query's receive
 		// timeout; retry transient failures until handshake_timeout, never
 		// a compatibility or identity mismatch, nor a refused connection
@@ -586,8 +619,48 @@ func (w *Worker) startHandshakeLocked(engineID, host string, port, remoteTP int,
 			w.log.Warn("handshake attempt failed; retrying", zap.String("remote_engine_id", engineID), zap.Int("attempt", attempt), zap.Error(err))
 			time.Sleep(250 * time.Millisecond)
 		}
+	})
+}
+
+// goSafe runs fn on a new goroutine. A panic there is recovered, logged
+// with its stack, counted, and handed to onPanic as an error (itself
+// guarded): a bug in a background goroutine fails the work it was doing,
+// never the host process.
+func (w *Worker) goSafe(what string, onPanic func(error), fn func()) {
+	go func() {
+		defer func() {
+			p := recover()
+			if p == nil {
+				return
+			}
+			err := fmt.Errorf("%w (%s): panic: %v", errPanicked, what, p)
+			w.log.Error("recovered a panic on a background goroutine", zap.String("where", what),
+				zap.Any("panic", p), zap.Stack("stack"))
+			w.panics.Add(1)
+			if onPanic == nil {
+				return
+			}
+			defer func() {
+				if p2 := recover(); p2 != nil {
+					w.log.Error("recovered a second panic while failing the work of a panicked goroutine",
+						zap.String("where", what), zap.Any("panic", p2))
+					w.panics.Add(1)
+				}
+			}()
+			onPanic(err)
+		}()
+		if testPanicHook != nil {
+			testPanicHook(what)
+		}
+		fn()
 	}()
 }
+
+// errPanicked marks the error a recovered panic turned into.
+var errPanicked = errors.New("internal error in gonixl")
+
+// testPanicHook, when set (tests only), runs first on every goSafe goroutine.
+var testPanicHook func(what string)
 
 func retryableHandshake(err error) bool {
 	if errors.Is(err, sidechannel.ErrCompatMismatch) || errors.Is(err, sidechannel.ErrEngineMismatch) || errors.Is(err, sidechannel.ErrClosed) ||
@@ -605,8 +678,8 @@ func (w *Worker) finishHandshake(engineID, host string, port int, res *sidechann
 	defer w.mu.Unlock()
 	key := hsKey(engineID, host, port)
 	hsState := w.handshakes[key]
-	delete(w.handshakes, key)
 	if w.closed {
+		delete(w.handshakes, key)
 		return
 	}
 	var re *remoteEngine
@@ -616,7 +689,11 @@ func (w *Worker) finishHandshake(engineID, host string, port int, res *sidechann
 	if err != nil {
 		w.stats.RecordFailedHandshake()
 		w.logFailure("handshake_failed", nil, fmt.Sprintf("engine %s at %s:%d", engineID, host, port), err)
+		if !errors.Is(err, errPanicked) {
+			w.hsGuard.failed(key, err) // a bug is not the peer's failure
+		}
 	} else {
+		w.hsGuard.succeeded(key)
 		w.touchRemoteLocked(re)
 		w.log.Info("handshake done", zap.String("remote_engine_id", engineID), zap.String("remote_agent", re.agent),
 			zap.Float64("clock_offset", re.offset), zap.Duration("rtt", res.BestRTT))
@@ -627,6 +704,9 @@ func (w *Worker) finishHandshake(engineID, host string, port int, res *sidechann
 			w.log.Info("transport lanes of the first endpoint", zap.String("lanes", ei.EndpointInfo()))
 		}
 	}
+	// Removed only now: after a panic above, the entry is still here and
+	// the recovery fails its waiting requests.
+	delete(w.handshakes, key)
 	if hsState == nil {
 		return
 	}
@@ -798,6 +878,13 @@ func (w *Worker) pollTransfersLocked() {
 		}
 		kept := st.xfers[:0]
 		for _, f := range st.xfers {
+			if f.stuck > 0 {
+				// Already failed; only the handle is left to release.
+				if !w.retryStuckLocked(st, f, now) {
+					kept = append(kept, f)
+				}
+				continue
+			}
 			status, err := f.x.Check()
 			switch {
 			case err == nil && status == nixl.Success:
@@ -809,6 +896,7 @@ func (w *Worker) pollTransfersLocked() {
 					w.stats.RecordTransfer(t.XferDur.Seconds(), t.PostDur.Seconds(), t.Bytes, t.DescCount)
 				}
 				if rerr := f.x.Release(); rerr != nil {
+					// Complete: nothing writes the blocks any more.
 					w.logFailure("transfer_release_failed", st, "", rerr)
 				}
 				if left := w.leaseLeft(st); left <= 0 {
@@ -826,17 +914,18 @@ func (w *Worker) pollTransfersLocked() {
 						zap.Int("local_blocks", st.meta.LocalBlockIDs.Count()), zap.Float64("transfer_timeout", w.cfg.TransferTimeout))
 				}
 				if now >= f.deadline {
-					// Bounded wait: cancel. If the engine cannot cancel, the
-					// blocks stay ours until it can (no silent reuse).
-					if rerr := f.x.Release(); rerr != nil {
-						kept = append(kept, f)
-						continue
-					}
+					// Bounded wait: cancel and fail the request.
 					w.stats.RecordFailedTransfer()
 					w.failLocked(st, "transfer_failed", fmt.Sprintf("READ still in flight after transfer_timeout=%gs", w.cfg.TransferTimeout), nil)
 					if st.remote != nil {
-						// A peer that stopped answering is handshaken anew.
+						// A peer that stopped answering is handshaken anew
+						// (this also closes the endpoint, which cancels
+						// what is still posted on it).
 						w.dropRemoteLocked(st.remote)
+					}
+					if rerr := f.x.Release(); rerr != nil {
+						w.holdStuckLocked(st, f, now, rerr)
+						kept = append(kept, f)
 					}
 					continue
 				}
@@ -847,11 +936,12 @@ func (w *Worker) pollTransfersLocked() {
 				}
 				w.stats.RecordFailedTransfer()
 				w.failLocked(st, "transfer_failed", "", err)
-				if rerr := f.x.Release(); rerr != nil {
-					kept = append(kept, f)
-				}
 				if re, ok := w.remotes[st.meta.Remote.EngineID]; ok {
 					w.dropRemoteOnDisconnect(re, err)
+				}
+				if rerr := f.x.Release(); rerr != nil {
+					w.holdStuckLocked(st, f, now, rerr)
+					kept = append(kept, f)
 				}
 			}
 		}
@@ -874,6 +964,38 @@ func (w *Worker) pollTransfersLocked() {
 			}
 		}
 	}
+}
+
+// holdStuckLocked keeps a handle the engine would not release. Its request
+// is already failed; it is reported to vLLM (its blocks to
+// kv_load_failure_policy) only once the handle is released: until then the
+// engine may still write into those blocks, and vLLM must not give them to
+// another request. Visible as gonixl_stuck_transfer_handles and in the log.
+func (w *Worker) holdStuckLocked(st *recvState, f *inflight, now float64, err error) {
+	f.stuck, f.nextTry, f.stuckLogged = now, now+stuckRetry, now
+	w.stuckTotal.Add(1)
+	w.logFailure("transfer_release_failed", st, fmt.Sprintf("the engine cannot release the READ's handle; its %d local blocks stay held (not reported to vLLM) until it can, retried every %gs",
+		st.meta.LocalBlockIDs.Count(), stuckRetry), err)
+}
+
+// retryStuckLocked retries releasing a stuck handle; true once released.
+func (w *Worker) retryStuckLocked(st *recvState, f *inflight, now float64) bool {
+	if now < f.nextTry {
+		return false
+	}
+	f.nextTry = now + stuckRetry
+	err := f.x.Release()
+	if err == nil {
+		w.log.Warn("stuck READ handle released; its request is reported failed now", zap.String("request_id", st.id),
+			zap.Float64("held_seconds", now-f.stuck))
+		return true
+	}
+	if now-f.stuckLogged >= stuckLogEvery {
+		f.stuckLogged = now
+		w.log.Error("READ handle still cannot be released; its local blocks stay held", zap.String("request_id", st.id),
+			zap.Float64("held_seconds", now-f.stuck), zap.Error(err))
+	}
+	return false
 }
 
 func (w *Worker) pollNotifsLocked() {
@@ -968,6 +1090,7 @@ func (w *Worker) Close() error {
 	}
 	w.closed = true
 	hs := w.hs
+	unserveMetrics(w.prom.reg)
 	var errs []error
 	for _, st := range w.recv {
 		for _, f := range st.xfers {

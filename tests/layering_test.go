@@ -35,7 +35,7 @@ type rule struct {
 
 var (
 	logging = []string{"go.uber.org/zap"}
-	metrics = []string{"github.com/prometheus/client_golang", "github.com/prometheus/common"}
+	metrics = []string{"github.com/prometheus/client_golang", "github.com/prometheus/common", "github.com/prometheus/client_model"}
 )
 
 // rules follow ../shared/design/architecture.md ("Layers and allowed

@@ -17,18 +17,19 @@ import (
 type Step string
 
 const (
-	StepNewAgent   Step = "NewAgent"
-	StepRegister   Step = "RegisterMem"
-	StepDeregister Step = "DeregisterMem"
-	StepMetadata   Step = "LocalMetadata"
-	StepLoad       Step = "LoadRemoteMetadata"
-	StepInvalidate Step = "InvalidateRemote"
-	StepPrep       Step = "PrepDescList"
-	StepMake       Step = "MakeXfer"
-	StepPost       Step = "Post"
-	StepCheck      Step = "Check"
-	StepSendNotif  Step = "SendNotif"
-	StepGetNotifs  Step = "GetNotifs"
+	StepNewAgent    Step = "NewAgent"
+	StepRegister    Step = "RegisterMem"
+	StepDeregister  Step = "DeregisterMem"
+	StepMetadata    Step = "LocalMetadata"
+	StepLoad        Step = "LoadRemoteMetadata"
+	StepInvalidate  Step = "InvalidateRemote"
+	StepPrep        Step = "PrepDescList"
+	StepMake        Step = "MakeXfer"
+	StepPost        Step = "Post"
+	StepCheck       Step = "Check"
+	StepSendNotif   Step = "SendNotif"
+	StepGetNotifs   Step = "GetNotifs"
+	StepReleaseXfer Step = "ReleaseXfer" // the handle stays live (an engine that cannot cancel)
 )
 
 // Script scripts an engine's (or one agent's) behaviour.
@@ -661,6 +662,9 @@ func (x *xfer) Release() error {
 	a.record("ReleaseXfer", "")
 	if x.released {
 		return nixl.Errorf(nixl.ErrInvalidParam, "Xfer.Release", "transfer request released twice")
+	}
+	if err := a.fault(StepReleaseXfer); err != nil {
+		return err
 	}
 	x.released = true
 	a.xfers--

@@ -15,6 +15,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -126,7 +127,8 @@ type agent struct {
 	epPeer    string // the peer epInfo describes
 	dropped   uint64
 	prog      *progressThread
-	polled    time.Time // last progress by a caller (Check), see progress.go
+	progFault atomic.Pointer[string] // set when the progress thread panicked; reported once
+	polled    time.Time              // last progress by a caller (Check), see progress.go
 }
 
 func (e *engine) NewAgent(cfg nixl.AgentConfig) (nixl.Agent, error) {
@@ -850,6 +852,10 @@ func (a *agent) GetNotifs() ([]nixl.Notif, error) {
 	if err := a.checkOpen("GetNotifs"); err != nil {
 		a.mu.Unlock()
 		return nil, err
+	}
+	if msg := a.progFault.Swap(nil); msg != nil {
+		a.mu.Unlock()
+		return nil, nixl.Errorf(nixl.ErrBackend, "GetNotifs", "%s", *msg)
 	}
 	C.gx_progress(a.c, 64)
 	var dropped C.uint64_t

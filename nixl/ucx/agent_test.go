@@ -572,3 +572,54 @@ func TestGoPanicRecoverableAfterUCX(t *testing.T) {
 		t.Fatal("nil dereference did not panic")
 	}
 }
+
+// A panic in the progress thread must not kill the process: the thread
+// stops, GetNotifs reports it once, and transfers keep completing on the
+// callers' polls.
+func TestProgressThreadPanicRecovered(t *testing.T) {
+	var once sync.Once
+	progressPanicHook = func() { once.Do(func() { panic("injected") }) }
+	t.Cleanup(func() { progressPanicHook = nil })
+	const blk = 4096
+	p := newPair(t, blk*4, map[string]string{ParamErrMode: "none"}, true)
+	for i := range p.bufB {
+		p.bufB[i] = byte(i*5 + 1)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	var got error
+	for got == nil && time.Now().Before(deadline) {
+		got = drain(p.a)
+		if got == nil {
+			got = drain(p.b)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if got == nil || !strings.Contains(got.Error(), "panicked") || !strings.Contains(got.Error(), "injected") {
+		t.Fatalf("GetNotifs after the progress thread panicked: %v", got)
+	}
+	if err := drain(p.a); err != nil {
+		t.Fatalf("reported more than once: %v", err)
+	}
+	local, err := p.a.PrepDescList("", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufA), Len: blk * 4}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	remote, err := p.a.PrepDescList("B", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufB), Len: blk * 4}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	x, err := p.a.MakeXfer(nixl.Read, local, []int32{0}, remote, []int32{0}, []byte("r:1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := x.Post(); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := wait(t, x, p.b, 10*time.Second); st != nixl.Success {
+		t.Fatalf("READ after the panic: %v %v", st, err)
+	}
+	if !bytes.Equal(p.bufA, p.bufB) {
+		t.Fatal("READ after the panic moved wrong data")
+	}
+	_ = x.Release()
+}

@@ -9,6 +9,7 @@ import "C"
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"runtime"
 	"time"
@@ -42,25 +43,21 @@ func startProgress(a *agent, efd int) (*progressThread, error) {
 	go func() {
 		runtime.LockOSThread()
 		defer close(pt.done)
+		defer func() {
+			// A panic here must not kill the host process (vLLM): the
+			// thread ends, callers' polls (Check, GetNotifs) keep
+			// progressing the worker, and GetNotifs reports it once.
+			if p := recover(); p != nil {
+				msg := fmt.Sprintf("ucx progress thread of agent %q panicked and stopped (progress continues on callers' polls): %v", a.name, p)
+				a.progFault.Store(&msg)
+			}
+		}()
 		last := time.Now()
 		for {
-			a.mu.Lock()
-			if a.closing || a.closed {
-				a.mu.Unlock()
-				return
-			}
-			// Spin only while nobody else progresses this worker: a caller
-			// polling Check already does, and on few cores two spinners
-			// would steal each other's time slices.
-			now := time.Now()
-			spin := now.Sub(last) < spinWindow && now.Sub(a.polled) >= spinWindow
-			arm := C.int(1)
-			if spin {
-				arm = 0
-			}
-			n := C.gx_progress_arm(a.c, arm)
-			a.mu.Unlock()
+			stop, n := a.progressStep(last)
 			switch {
+			case stop:
+				return
 			case n > 0:
 				last = time.Now()
 			case n < 0:
@@ -72,6 +69,32 @@ func startProgress(a *agent, efd int) (*progressThread, error) {
 	}()
 	return pt, nil
 }
+
+// progressStep is one sweep of the progress thread, under the agent mutex
+// (released on every exit path, a panic included).
+func (a *agent) progressStep(last time.Time) (stop bool, n C.int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closing || a.closed {
+		return true, 0
+	}
+	if progressPanicHook != nil {
+		progressPanicHook()
+	}
+	// Spin only while nobody else progresses this worker: a caller
+	// polling Check already does, and on few cores two spinners
+	// would steal each other's time slices.
+	now := time.Now()
+	spin := now.Sub(last) < spinWindow && now.Sub(a.polled) >= spinWindow
+	arm := C.int(1)
+	if spin {
+		arm = 0
+	}
+	return false, C.gx_progress_arm(a.c, arm)
+}
+
+// progressPanicHook, when set (tests only), runs in every progress sweep.
+var progressPanicHook func()
 
 // stop wakes the thread and waits (bounded) for it to exit.
 func (pt *progressThread) stop() error {

@@ -96,6 +96,9 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     ("gonixl_scheduler_set_handshake_payload", status_t, [handle_t, i32, i32, buf, size, error_p]),
     # gonixl_status_t gonixl_scheduler_close(gonixl_scheduler_t h, gonixl_error_t *err);
     ("gonixl_scheduler_close", status_t, [handle_t, error_p]),
+    # gonixl_status_t gonixl_scheduler_live(gonixl_scheduler_t h, char *buf, size_t *len,
+    #     gonixl_error_t *err);
+    ("gonixl_scheduler_live", status_t, [handle_t, buf, size_p, error_p]),
     # gonixl_status_t gonixl_worker_new(char *config_json, size_t config_len,
     #     gonixl_worker_t *out, gonixl_error_t *err);
     ("gonixl_worker_new", status_t, [buf, size, handle_p, error_p]),
@@ -120,6 +123,9 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     # gonixl_status_t gonixl_worker_metrics(gonixl_worker_t h, char *buf, size_t *len,
     #     gonixl_error_t *err);
     ("gonixl_worker_metrics", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_worker_live(gonixl_worker_t h, char *buf, size_t *len,
+    #     gonixl_error_t *err);
+    ("gonixl_worker_live", status_t, [handle_t, buf, size_p, error_p]),
     # gonixl_status_t gonixl_worker_close(gonixl_worker_t h, gonixl_error_t *err);
     ("gonixl_worker_close", status_t, [handle_t, error_p]),
     # gonixl_status_t gonixl_debug_panic(gonixl_error_t *err);

@@ -610,6 +610,18 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         """gonixl's own Prometheus registry (worker side), text format."""
         return _lib.call_bytes("gonixl_worker_metrics", self._worker, initial=16384).decode()
 
+    def live_counts(self) -> dict[str, int]:
+        """What this connector's engines hold right now (transfer handles,
+        held leases, pending handshakes, ...): all zero at rest but
+        remote_engines and panics. For leak checks; also served as gauges
+        with GONIXL_METRICS_PORT (docs/ENVIRONMENT.md)."""
+        out: dict[str, int] = {}
+        if self._worker:
+            out.update(json.loads(_lib.call_bytes("gonixl_worker_live", self._worker, initial=256)))
+        if self._sched:
+            out.update(json.loads(_lib.call_bytes("gonixl_scheduler_live", self._sched, initial=256)))
+        return out
+
     def shutdown(self):
         if self._worker:
             h, self._worker = self._worker, 0
