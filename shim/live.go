@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
@@ -147,6 +148,7 @@ var metricsSrv struct {
 	addr string
 	srv  *http.Server
 	regs map[*prometheus.Registry]struct{}
+	proc *prometheus.Registry // the process: go_goroutines, process_resident_memory_bytes, ...
 }
 
 // metricsPortFor returns the port an engine of cfg listens on, 0 when the
@@ -180,7 +182,10 @@ func metricsPortFor(cfg *Config, worker bool) (int, error) {
 // gatherAll merges every registered registry of this process.
 var gatherAll = prometheus.GathererFunc(func() ([]*dto.MetricFamily, error) {
 	metricsSrv.Lock()
-	gs := make(prometheus.Gatherers, 0, len(metricsSrv.regs))
+	gs := make(prometheus.Gatherers, 0, len(metricsSrv.regs)+1)
+	if metricsSrv.proc != nil {
+		gs = append(gs, metricsSrv.proc)
+	}
 	for r := range metricsSrv.regs {
 		gs = append(gs, r)
 	}
@@ -227,6 +232,11 @@ func serveMetrics(cfg *Config, reg *prometheus.Registry, worker bool, log *zap.L
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 10 * time.Second,
 		WriteTimeout: 10 * time.Second, IdleTimeout: 30 * time.Second, MaxHeaderBytes: 16 << 10}
 	metricsSrv.srv, metricsSrv.addr = srv, ln.Addr().String()
+	if metricsSrv.proc == nil {
+		proc := prometheus.NewRegistry()
+		proc.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		metricsSrv.proc = proc
+	}
 	go func() {
 		defer func() { _ = recover() }() // never take the host process down
 		_ = srv.Serve(ln)

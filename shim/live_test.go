@@ -68,6 +68,11 @@ func TestLiveCountsAndMetricsServer(t *testing.T) {
 		t.Fatalf("held leases gauge %v", v)
 	}
 	metricValue(t, text, "gonixl_scheduler_awaiting_kv", "engine-d")
+	for _, name := range []string{"go_goroutines ", "process_resident_memory_bytes "} {
+		if !strings.Contains(text, "\n"+name) {
+			t.Errorf("the scrape lacks the process metric %s", name)
+		}
+	}
 	metricValue(t, text, "gonixl_side_channel_served_total", "engine-p")
 
 	eng.Agent(d.work.agent.Name()).SetScript(nixltest.Script{Polls: 0})
