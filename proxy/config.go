@@ -45,6 +45,11 @@ const (
 	ReuseOneway ReuseMode = "oneway"
 )
 
+// DefaultUpstreamIdleTimeout keeps idle upstream connections for less than
+// vLLM's HTTP keep-alive timeout (5 s), so the proxy never reuses one the
+// server is about to close.
+const DefaultUpstreamIdleTimeout = 4 * time.Second
+
 // DefaultCacheTTL is the multi-turn conversation cache's lifetime; it must stay
 // below the decode side's decoder_kv_blocks_ttl (480 s by default).
 const DefaultCacheTTL = 450 * time.Second
@@ -101,6 +106,19 @@ type Config struct {
 	UpstreamTimeout time.Duration
 	// MaxBodyBytes bounds request and prefill-response bodies (default 64 MiB).
 	MaxBodyBytes int64
+	// UpstreamIdleTimeout is how long an idle keep-alive connection to an
+	// upstream is kept for reuse (default DefaultUpstreamIdleTimeout). It
+	// must stay below the upstream's own keep-alive timeout (vLLM's HTTP
+	// server closes idle connections after 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE):
+	// reusing a connection the server is closing fails the request with
+	// "connection reset by peer".
+	UpstreamIdleTimeout time.Duration
+
+	// ForwardClientKVParams lets a client's own kv_transfer_params reach a
+	// decode instance when the prefill instance returned none. Off by
+	// default: those parameters name remote engines, addresses and block
+	// ids, and a client must not be able to point a decode at them.
+	ForwardClientKVParams bool
 
 	// Transport overrides the upstream transport (tests, benchmarks).
 	Transport http.RoundTripper
@@ -149,7 +167,7 @@ func (c *Config) validate() error {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
-	}{{"cache TTL", c.CacheTTL}, {"connect timeout", c.ConnectTimeout}, {"upstream timeout", c.UpstreamTimeout}} {
+	}{{"cache TTL", c.CacheTTL}, {"connect timeout", c.ConnectTimeout}, {"upstream timeout", c.UpstreamTimeout}, {"upstream idle timeout", c.UpstreamIdleTimeout}} {
 		if d.v < 0 {
 			errs = append(errs, fmt.Errorf("%s %v is negative", d.name, d.v))
 		}
@@ -179,6 +197,9 @@ func (c *Config) applyDefaults() {
 	if c.MaxBodyBytes == 0 {
 		c.MaxBodyBytes = 64 << 20
 	}
+	if c.UpstreamIdleTimeout == 0 {
+		c.UpstreamIdleTimeout = DefaultUpstreamIdleTimeout
+	}
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()
 	}
@@ -203,7 +224,7 @@ func NewTransport(connectTimeout, headerTimeout time.Duration) *http.Transport {
 		DialContext:           d.DialContext,
 		MaxIdleConns:          0,
 		MaxIdleConnsPerHost:   4096,
-		IdleConnTimeout:       90 * time.Second,
+		IdleConnTimeout:       DefaultUpstreamIdleTimeout,
 		ResponseHeaderTimeout: headerTimeout,
 		DisableCompression:    true,
 		ForceAttemptHTTP2:     false,

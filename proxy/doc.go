@@ -34,9 +34,13 @@
 //     (text/event-stream for streams), not always application/json;
 //   - upstream failures become 502/504 JSON errors, and upstream 4xx answers
 //     are relayed, instead of a 500 or a broken stream;
-//   - in multi-turn mode, when the prefill instance returns no
-//     kv_transfer_params the decode instance gets the client's request
-//     without the parameters meant for the prefill instance;
+//   - a client's own kv_transfer_params never reach a decode instance
+//     (Config.ForwardClientKVParams, --forward-client-kv-params, restores the
+//     reference's forwarding): they name remote engines, addresses and block
+//     ids, and a client must not be able to point a decode at them;
+//   - idle upstream connections are kept 4 s (Config.UpstreamIdleTimeout),
+//     below vLLM's 5 s keep-alive, so a connection the server is closing is
+//     never reused (httpx's 5 s pool expiry raced it);
 //   - --reuse-mode oneway (from a later revision of the multi-turn proxy that
 //     the stored sources lack) is read as "never cache": every turn misses;
 //   - the conversation cache is bounded (Config.MaxConversations);

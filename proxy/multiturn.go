@@ -74,6 +74,9 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 	// prefill's params with remote_host set to the prefill instance's host,
 	// always streamed.
 	d := ex.body.clone()
+	if !p.cfg.ForwardClientKVParams {
+		delete(d, "kv_transfer_params") // a client's own never reach the decode
+	}
 	if kv, ok := kvParams(presp); ok {
 		b, err := withRemoteHost(kv, pi.Host)
 		if err != nil {

@@ -332,3 +332,27 @@ func TestMultiturnNoPrefillParams(t *testing.T) {
 		t.Errorf("decode got kv_transfer_params %v though the prefill returned none", kv)
 	}
 }
+
+// A client's own kv_transfer_params never reach the decode in multi-turn
+// mode either (unless ForwardClientKVParams), also when the prefill returns
+// none.
+func TestMultiturnClientParamsNotForwarded(t *testing.T) {
+	for _, forward := range []bool{false, true} {
+		pf := newFake(t, "p0", func(w http.ResponseWriter, _ *http.Request, _ received) {
+			w.Header().Set("Content-Type", "application/json")
+			fmt.Fprint(w, `{"id":"x","choices":[]}`)
+		})
+		df := newFake(t, "d0", decodeHandler("d0", true))
+		r := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) {
+			c.Mode, c.ForwardClientKVParams = ModeMultiturn, forward
+		})
+		client := map[string]any{"do_remote_prefill": true, "remote_engine_id": "x", "remote_block_ids": []any{1.0}}
+		if status, _, b := r.post("/v1/chat/completions", chatBody("conv-1", true, map[string]any{"kv_transfer_params": client}), nil); status != 200 {
+			t.Fatalf("status %d: %s", status, b)
+		}
+		got, ok := df.requests()[0].Body["kv_transfer_params"]
+		if forward != ok || (ok && !reflect.DeepEqual(got, client)) {
+			t.Errorf("forward=%v: decode kv_transfer_params %v (present %v)", forward, got, ok)
+		}
+	}
+}

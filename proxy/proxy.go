@@ -54,6 +54,7 @@ func New(cfg Config) (*Proxy, error) {
 			return cfg.Transport
 		}
 		tr := NewTransport(cfg.ConnectTimeout, cfg.UpstreamTimeout)
+		tr.IdleConnTimeout = cfg.UpstreamIdleTimeout
 		p.owned = append(p.owned, tr)
 		return tr
 	}

@@ -26,11 +26,17 @@ func (p *Proxy) serveToy(ex *exchange) {
 		return
 	}
 	// The decode instance gets the client's body unchanged, plus the prefill
-	// instance's kv_transfer_params when it returned any.
+	// instance's kv_transfer_params when it returned any. A client's own
+	// kv_transfer_params never reach it unless configured.
 	dbody := ex.raw
-	if _, ok := kvParams(presp); ok {
+	_, fromPrefill := kvParams(presp)
+	if fromPrefill || (ex.body.has("kv_transfer_params") && !p.cfg.ForwardClientKVParams) {
 		d := ex.body.clone()
-		d["kv_transfer_params"] = presp["kv_transfer_params"]
+		if fromPrefill {
+			d["kv_transfer_params"] = presp["kv_transfer_params"]
+		} else {
+			delete(d, "kv_transfer_params")
+		}
 		if dbody, err = d.marshal(); err != nil {
 			writeError(ex.w, http.StatusInternalServerError, "internal_error", "internal_error", err.Error())
 			return

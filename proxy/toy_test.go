@@ -9,6 +9,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestToyRewrites(t *testing.T) {
@@ -92,27 +93,80 @@ func TestToyRewrites(t *testing.T) {
 	}
 }
 
-func TestToyNoPrefillParamsForwardsClientBytes(t *testing.T) {
+// When the prefill returns no kv_transfer_params, the decode gets the
+// client's body — without the client's own kv_transfer_params (they would
+// point the decode at engines, addresses and blocks of the client's choice)
+// unless ForwardClientKVParams is set; a body without them passes
+// byte-for-byte.
+func TestToyNoPrefillParamsClientParamsNotForwarded(t *testing.T) {
 	for _, kv := range []string{`absent`, `null`, `{}`} {
-		t.Run(kv, func(t *testing.T) {
-			pf := newFake(t, "p0", func(w http.ResponseWriter, _ *http.Request, _ received) {
-				body := `{"id":"x","choices":[]`
-				if kv != "absent" {
-					body += `,"kv_transfer_params":` + kv
+		for _, forward := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/forward=%v", kv, forward), func(t *testing.T) {
+				pf := newFake(t, "p0", func(w http.ResponseWriter, _ *http.Request, _ received) {
+					body := `{"id":"x","choices":[]`
+					if kv != "absent" {
+						body += `,"kv_transfer_params":` + kv
+					}
+					w.Header().Set("Content-Type", "application/json")
+					fmt.Fprint(w, body+"}")
+				})
+				df := newFake(t, "d0", decodeHandler("d0", false))
+				r := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.ForwardClientKVParams = forward })
+				client := `{"prompt": "a b",   "model":"m", "max_tokens": 7, "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "x", "remote_block_ids": [1]}}`
+				if status, _, body := r.post("/v1/completions", client, nil); status != 200 {
+					t.Fatalf("status %d: %s", status, body)
 				}
-				w.Header().Set("Content-Type", "application/json")
-				fmt.Fprint(w, body+"}")
+				got := df.requests()[0]
+				if forward {
+					if string(got.Raw) != client {
+						t.Errorf("decode got %q, want the client's bytes %q", got.Raw, client)
+					}
+					return
+				}
+				if _, ok := got.Body["kv_transfer_params"]; ok {
+					t.Errorf("client kv_transfer_params reached the decode: %s", got.Raw)
+				}
+				if got.Body["prompt"] != "a b" || got.Body["max_tokens"] != float64(7) {
+					t.Errorf("decode body %s", got.Raw)
+				}
+				plain := `{"prompt": "a b",   "model":"m", "max_tokens": 7}`
+				if status, _, body := r.post("/v1/completions", plain, nil); status != 200 {
+					t.Fatalf("status %d: %s", status, body)
+				}
+				if got := string(df.requests()[1].Raw); got != plain {
+					t.Errorf("decode got %q, want the client's bytes %q", got, plain)
+				}
 			})
-			df := newFake(t, "d0", decodeHandler("d0", false))
-			r := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, nil)
-			client := `{"prompt": "a b",   "model":"m", "max_tokens": 7, "kv_transfer_params": {"k": 1}}`
-			if status, _, body := r.post("/v1/completions", client, nil); status != 200 {
-				t.Fatalf("status %d: %s", status, body)
-			}
-			if got := string(df.requests()[0].Raw); got != client {
-				t.Errorf("decode got %q, want the client's bytes %q", got, client)
-			}
-		})
+		}
+	}
+}
+
+// The proxy's idle upstream connections close before vLLM's (5 s), so it
+// never reuses one the server is closing (a "connection reset by peer" 502).
+func TestUpstreamIdleTimeoutBelowVLLMKeepAlive(t *testing.T) {
+	const vllmKeepAlive = 5 * time.Second
+	if tr := NewTransport(time.Second, time.Second); tr.IdleConnTimeout <= 0 || tr.IdleConnTimeout >= vllmKeepAlive {
+		t.Fatalf("default idle timeout %v, want in (0, %v)", tr.IdleConnTimeout, vllmKeepAlive)
+	}
+	p, err := New(Config{Prefill: []Instance{{"h", 1}}, Decode: []Instance{{"h", 2}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	for in, c := range p.clients {
+		if tr := c.Transport.(*http.Transport); tr.IdleConnTimeout >= vllmKeepAlive {
+			t.Errorf("%s: idle timeout %v", in, tr.IdleConnTimeout)
+		}
+	}
+	p2, err := New(Config{Prefill: []Instance{{"h", 1}}, Decode: []Instance{{"h", 2}}, UpstreamIdleTimeout: 1500 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p2.Close()
+	for _, c := range p2.clients {
+		if tr := c.Transport.(*http.Transport); tr.IdleConnTimeout != 1500*time.Millisecond {
+			t.Errorf("configured idle timeout not applied: %v", tr.IdleConnTimeout)
+		}
 	}
 }
 

@@ -44,6 +44,8 @@ var optSpecs = []optSpec{
 	{[]string{"--cache-ttl"}, one, []string{"450"}, "multi-turn: seconds a conversation's cached decode params stay usable (keep below decoder_kv_blocks_ttl)"},
 	{[]string{"--connect-timeout"}, one, []string{"5"}, "seconds to wait for an upstream TCP connection"},
 	{[]string{"--upstream-timeout"}, one, []string{"300"}, "seconds to wait for an upstream's response headers, a whole prefill, or the next chunk of a decode stream"},
+	{[]string{"--upstream-idle-timeout"}, one, []string{"4"}, "seconds an idle upstream connection is kept for reuse; keep below vLLM's keep-alive timeout (5 s)"},
+	{[]string{"--forward-client-kv-params"}, flagOnly, nil, "let a client's own kv_transfer_params reach a decode instance when the prefill returns none (off: clients cannot point a decode at remote engines or blocks)"},
 	{[]string{"--log-level"}, one, []string{""}, "debug, info, warn or error (default: $GONIXL_LOG_LEVEL, else info)"},
 }
 
@@ -225,6 +227,10 @@ func buildOptions(args []string, apiKey string) (*options, error) {
 	if o.cfg.UpstreamTimeout, err = parseSeconds("--upstream-timeout", vals["--upstream-timeout"][0]); err != nil {
 		return nil, err
 	}
+	if o.cfg.UpstreamIdleTimeout, err = parseSeconds("--upstream-idle-timeout", vals["--upstream-idle-timeout"][0]); err != nil {
+		return nil, err
+	}
+	o.cfg.ForwardClientKVParams = vals["--forward-client-kv-params"] != nil
 	o.cfg.APIKey = apiKey
 	return o, nil
 }
