@@ -40,7 +40,7 @@ type Listener struct {
 
 	mu       sync.RWMutex
 	payloads map[Rank][]byte
-	conns    map[net.Conn]struct{}
+	conns    map[net.Conn]*connActivity
 	stopped  bool
 
 	wg       sync.WaitGroup
@@ -90,7 +90,7 @@ func NewListener(cfg ListenerConfig) (*Listener, error) {
 		return nil, fmt.Errorf("sidechannel: cannot listen on %s (%s=%q, %s=%d + data-parallel index %d): %w",
 			addr, EnvHost, cfg.Host, EnvPort, cfg.BasePort, cfg.DPIndex, err)
 	}
-	l := &Listener{cfg: cfg, log: log, ln: ln, payloads: map[Rank][]byte{}, conns: map[net.Conn]struct{}{}}
+	l := &Listener{cfg: cfg, log: log, ln: ln, payloads: map[Rank][]byte{}, conns: map[net.Conn]*connActivity{}}
 	l.wg.Add(1)
 	go l.accept()
 	log.Debug("side-channel listener started", zap.String("addr", ln.Addr().String()))
@@ -159,20 +159,54 @@ func (l *Listener) accept() {
 			continue
 		}
 		l.mu.Lock()
+		if !l.stopped && len(l.conns) >= l.cfg.MaxConns {
+			// Full: make room by closing the connection idle the longest,
+			// if it has been idle a while. Real clients connect, ask and
+			// leave within milliseconds; a flood of idle or slow peers
+			// must not lock them out.
+			l.evictIdlestLocked()
+		}
 		if l.stopped || len(l.conns) >= l.cfg.MaxConns {
 			l.mu.Unlock()
 			l.refused.Add(1)
 			c.Close()
 			continue
 		}
-		l.conns[c] = struct{}{}
+		act := &connActivity{}
+		act.touch()
+		l.conns[c] = act
 		l.wg.Add(1)
 		l.mu.Unlock()
-		go l.serve(c)
+		go l.serve(c, act)
 	}
 }
 
-func (l *Listener) serve(c net.Conn) {
+// connActivity is when a connection last made progress (accepted, greeted,
+// or delivered a message), in Unix nanoseconds.
+type connActivity struct{ last atomic.Int64 }
+
+func (a *connActivity) touch() { a.last.Store(time.Now().UnixNano()) }
+
+// minIdleToEvict: a connection idle for less is never evicted for room (a
+// real client's whole exchange takes milliseconds).
+const minIdleToEvict = time.Second
+
+func (l *Listener) evictIdlestLocked() {
+	var victim net.Conn
+	oldest := time.Now().Add(-minIdleToEvict).UnixNano()
+	for c, a := range l.conns {
+		if t := a.last.Load(); t < oldest {
+			victim, oldest = c, t
+		}
+	}
+	if victim != nil {
+		delete(l.conns, victim) // its goroutine's own delete is then a no-op
+		victim.Close()
+		l.refused.Add(1)
+	}
+}
+
+func (l *Listener) serve(c net.Conn, act *connActivity) {
 	defer l.wg.Done()
 	defer func() {
 		// A bug in the protocol code must cost one connection, never the
@@ -191,9 +225,11 @@ func (l *Listener) serve(c net.Conn) {
 		l.log.Debug("side-channel connection rejected", zap.Stringer("peer", c.RemoteAddr()), zap.Error(err))
 		return
 	}
+	act.touch()
 	for {
 		c.SetDeadline(time.Now().Add(l.cfg.IdleTimeout))
 		frames, err := z.readMsg()
+		act.touch()
 		if err != nil {
 			if errors.Is(err, ErrFrameTooLarge) {
 				l.refused.Add(1)
