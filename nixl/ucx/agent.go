@@ -60,8 +60,11 @@ type peer struct {
 	lastLive time.Time
 	dead     bool
 	deadWhy  string
-	noCMA    bool       // the kernel denied cross-memory attach to this peer
-	md       []mdRegion // regions as last loaded, to recognise a reload
+	noCMA    bool // the kernel denied cross-memory attach to this peer
+	// established: a transfer to it completed, so its endpoint is wired
+	// up and may be force-closed (see teardownPeer).
+	established bool
+	md          []mdRegion // regions as last loaded, to recognise a reload
 
 	// Data path shm: the peer's shared regions mapped here (by rkey index,
 	// nil where not mapped), a pidfd of its process (-1 if none), and why
@@ -593,6 +596,17 @@ func (a *agent) teardownPeer(p *peer) {
 	} else if rc := C.gx_ep_flush(a.c, p.ep, flushTimeoutMs); rc <= 0 || C.gx_ep_failed(p.ep, &st) != 0 {
 		a.destroyRkeys(p.rkeys)
 		a.destroyRkeys(p.retired)
+	} else if p.established {
+		// Operations still in flight after the flush timeout (a peer
+		// that stopped answering, a cut link): a forced close cancels
+		// them, so no GET lands in local memory after its transfer was
+		// given up (a graceful close leaves them running inside UCX).
+		// Only on an endpoint known to be wired up: UCX 1.13 aborts the
+		// process (wireup_ep.c assertion) when it force-closes one whose
+		// wireup is still pending. On such an endpoint the transfers stay
+		// busy (Release refuses) until their operations end on their own.
+		// Their rkeys are leaked (the ops may reference them).
+		force = 1
 	}
 	p.rkeys, p.retired, p.regions = nil, nil, nil
 	a.copyMu.Lock()

@@ -623,3 +623,93 @@ func TestProgressThreadPanicRecovered(t *testing.T) {
 	}
 	_ = x.Release()
 }
+
+// A READ given up on (its peer stopped progressing) must never write local
+// memory after it is released: Release refuses while its GETs may still
+// land; InvalidateRemote force-closes an established endpoint so that they
+// cannot, and Release then succeeds; the peer's late answers are dropped.
+func TestGivenUpReadNeverLandsLate(t *testing.T) {
+	t.Setenv("UCX_TLS", "tcp") // GETs emulated over active messages: the target must progress
+	const blk, nblk = 64 << 10, 8
+	p := newPair(t, blk*nblk, map[string]string{ParamErrMode: "peer"}, false)
+	local, err := p.a.PrepDescList("", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufA), Len: blk * nblk}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	remote, err := p.a.PrepDescList("B", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufB), Len: blk * nblk}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One READ with B progressing: the endpoint is wired up.
+	warm, err := p.a.MakeXfer(nixl.Read, local, []int32{0}, remote, []int32{0}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := warm.Post(); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := wait(t, warm, p.b, 10*time.Second); st != nixl.Success {
+		t.Fatalf("warm-up READ: %v %v", st, err)
+	}
+	_ = warm.Release()
+	for i := range p.bufA {
+		p.bufA[i] = 0
+	}
+	for i := range p.bufB {
+		p.bufB[i] = 0xAB
+	}
+	x, err := p.a.MakeXfer(nixl.Read, local, []int32{0}, remote, []int32{0}, []byte("late:1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := x.Post(); err != nil {
+		t.Fatal(err)
+	}
+	// B does not progress now: the READ stays in flight.
+	for i := 0; i < 50; i++ {
+		if st, err := x.Check(); st != nixl.InProgress {
+			t.Skipf("the READ completed without the target's progress (%v %v): this UCX serves GET without it", st, err)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	if err := x.Release(); nixl.StatusOf(err) != nixl.ErrRepostActive {
+		t.Fatalf("Release of a READ still in flight: %v, want ERR_REPOST_ACTIVE", err)
+	}
+	if err := p.a.InvalidateRemote("B"); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		err := x.Release()
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("Release after InvalidateRemote: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	landed := 0
+	for _, v := range p.bufA {
+		if v != 0 {
+			landed++
+		}
+	}
+	t.Logf("%d of %d bytes had landed before the release", landed, len(p.bufA))
+	for i := range p.bufA {
+		p.bufA[i] = 0
+	}
+	_ = local.Release()
+	_ = remote.Release()
+	// Now B answers, and A progresses: nothing may land.
+	for i := 0; i < 200; i++ {
+		drain(p.b)
+		drain(p.a)
+		time.Sleep(time.Millisecond)
+	}
+	for i, v := range p.bufA {
+		if v != 0 {
+			t.Fatalf("byte %d of the given-up READ's buffer changed to %#x after the READ was released", i, v)
+		}
+	}
+}

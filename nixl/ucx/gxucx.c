@@ -830,6 +830,26 @@ int gx_check(gx_agent *a, gx_ep *e, gx_xfer *x, int progress)
     return advance(a, e, x);
 }
 
+int gx_xfer_busy(gx_agent *a, gx_xfer *x)
+{
+    /* In its data phase a transfer's GETs may still write local memory
+     * (UCX cannot cancel them: ucp_request_cancel ignores RMA, and earlier
+     * ops of the batch are not tracked). The flush that follows them
+     * completes only when all have, or when the endpoint is force-closed
+     * (then with an error): until then the transfer must not be freed. */
+    if (x == NULL || x->state != GX_X_DATA) {
+        return 0;
+    }
+    G.worker_progress(a->worker);
+    if (x->flush_req != NULL && G.request_check_status(x->flush_req) == UCS_INPROGRESS) {
+        return 1;
+    }
+    if (x->data_req != NULL && G.request_check_status(x->data_req) == UCS_INPROGRESS) {
+        return 1;
+    }
+    return 0;
+}
+
 void gx_xfer_free(gx_agent *a, gx_xfer *x)
 {
     void **slots[2] = {&x->data_req, &x->flush_req};

@@ -157,6 +157,9 @@ int gx_cma(int pid, int op, const gx_iov *iov, size_t n);
 int gx_data_done(gx_agent *a, gx_ep *e, gx_xfer *x);
 /* Cancels what is in flight, hands buffers still referenced by UCX to the
  * agent's pending list, frees x. */
+/* 1 while a transfer's data phase may still write local memory (the flush
+ * after its ops has not completed); such a transfer must not be freed. */
+int gx_xfer_busy(gx_agent *a, gx_xfer *x);
 void gx_xfer_free(gx_agent *a, gx_xfer *x);
 /* Fire-and-forget notification (buf is copied). */
 int gx_send_notif(gx_agent *a, gx_ep *e, const void *buf, size_t len);

@@ -151,6 +151,7 @@ func (x *xfer) settle(rc C.int, fn string) (nixl.Status, error) {
 	case st == nixl.Success:
 		x.xferDur = time.Since(x.start)
 		x.final = nixl.Success
+		x.peer.established = true
 		return st, nil
 	}
 	what := "transfer to " + x.peer.name
@@ -223,6 +224,15 @@ func (x *xfer) Release() error {
 	defer a.mu.Unlock()
 	if x.released {
 		return nixl.Errorf(nixl.ErrInvalidParam, "ReleaseXfer", "transfer released twice")
+	}
+	if x.c != nil && !a.closed && C.gx_xfer_busy(a.c, x.c) != 0 {
+		// Its GETs may still land in local memory, and UCX cannot cancel
+		// them: the caller must keep the memory from reuse and try again
+		// (the data phase ends when the ops complete, or fail once the
+		// peer is invalidated: InvalidateRemote force-closes an endpoint
+		// whose flush does not complete).
+		return nixl.Errorf(nixl.ErrRepostActive, "ReleaseXfer",
+			"the transfer's operations are still in flight and cannot be cancelled; release it after they complete or after InvalidateRemote of its peer")
 	}
 	x.released = true
 	if x.c != nil { // nil once the agent closed
