@@ -6,6 +6,8 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -230,5 +232,32 @@ func TestDecodeDiesMidStream(t *testing.T) {
 				t.Errorf("decode errors = %v, want 1", got)
 			}
 		})
+	}
+}
+
+type timeoutErr struct{}
+
+func (timeoutErr) Error() string   { return "i/o timeout" }
+func (timeoutErr) Timeout() bool   { return true }
+func (timeoutErr) Temporary() bool { return true }
+
+// A connection that cannot be set up in time is a connect timeout, named as
+// such (it used to read "did not answer within <upstream timeout>").
+func TestConnectTimeoutNamed(t *testing.T) {
+	ctx := context.Background()
+	dial := &url.Error{Op: "Post", URL: "http://x", Err: &net.OpError{Op: "dial", Net: "tcp", Err: timeoutErr{}}}
+	if got := reasonOf(ctx, dial); got != "connect_timeout" {
+		t.Fatalf("dial timeout classified %q", got)
+	}
+	read := &url.Error{Op: "Post", URL: "http://x", Err: &net.OpError{Op: "read", Net: "tcp", Err: timeoutErr{}}}
+	if got := reasonOf(ctx, read); got != "timeout" {
+		t.Fatalf("read timeout classified %q", got)
+	}
+	r := newRig(t, []*fakeOpenAI{newFake(t, "p0", prefillHandler("p"))}, []*fakeOpenAI{newFake(t, "d0", decodeHandler("d", false))}, nil)
+	rec := httptest.NewRecorder()
+	req := httptest.NewRequest("POST", "/v1/completions", nil)
+	r.p.writeFailure(rec, req, &upstreamError{role: "prefill", target: "10.0.0.1:1", reason: "connect_timeout", err: dial})
+	if rec.Code != 504 || !strings.Contains(rec.Body.String(), "could not connect to prefill instance 10.0.0.1:1 within") {
+		t.Fatalf("%d %s", rec.Code, rec.Body.String())
 	}
 }

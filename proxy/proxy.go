@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httputil"
 	"net/url"
@@ -334,6 +335,10 @@ func reasonOf(ctx context.Context, err error) string {
 	if ctx.Err() != nil {
 		return "canceled"
 	}
+	var oe *net.OpError
+	if errors.As(err, &oe) && oe.Op == "dial" && oe.Timeout() {
+		return "connect_timeout"
+	}
 	var ne interface{ Timeout() bool }
 	if errors.As(err, &ne) && ne.Timeout() {
 		return "timeout"
@@ -345,7 +350,7 @@ func reasonOf(ctx context.Context, err error) string {
 type upstreamError struct {
 	role   string
 	target string
-	reason string // transport, timeout, canceled, status, bad_response
+	reason string // transport, connect_timeout, timeout, canceled, status, bad_response
 	err    error
 	status int    // upstream HTTP status when reason is "status"
 	body   []byte // upstream body when reason is "status"
@@ -372,6 +377,10 @@ func (p *Proxy) writeFailure(w http.ResponseWriter, r *http.Request, ue *upstrea
 		}
 		w.WriteHeader(ue.status)
 		_, _ = w.Write(ue.body)
+	case ue.reason == "connect_timeout":
+		log.Warn("upstream connection timed out")
+		writeError(w, http.StatusGatewayTimeout, "upstream_timeout", "upstream_timeout",
+			fmt.Sprintf("could not connect to %s instance %s within %v", ue.role, ue.target, p.cfg.ConnectTimeout))
 	case ue.reason == "timeout":
 		log.Warn("upstream timed out")
 		writeError(w, http.StatusGatewayTimeout, "upstream_timeout", "upstream_timeout",
