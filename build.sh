@@ -107,6 +107,32 @@ cmd_test() {
     GONIXL_E2E_MODEL="tests/fixtures/geometry/$m" GONIXL_E2E_LOGS="tests/e2e/logs/interop-$m" \
       bash tests/e2e/run_interop_test.sh
   done
+  # Several hosts as network namespaces (skips, saying why, without root).
+  log "e2e: tests/e2e/run_netns_test.sh"
+  bash tests/e2e/run_netns_test.sh
+}
+
+## soak: the multi-host namespace test (and, once it lands, the long soak)
+cmd_soak() {
+  cmd_setup
+  cmd_build
+  export GONIXL_LIB_PATH="$LIB"
+  log "soak: tests/e2e/run_netns_test.sh"
+  bash tests/e2e/run_netns_test.sh
+}
+
+## fuzz: every Go fuzz target for GONIXL_FUZZTIME each (default 10m)
+cmd_fuzz() {
+  cmd_setup
+  cmd_build
+  export GONIXL_LIB_PATH="$LIB"
+  local t="${GONIXL_FUZZTIME:-10m}" pkg name
+  while read -r pkg name; do
+    log "fuzz: $pkg $name for $t"
+    go test -run '^$' -fuzz "^${name}\$" -fuzztime "$t" -parallel "${GONIXL_FUZZ_PARALLEL:-1}" "$pkg"
+  done < <(grep -rl --include='*_test.go' '^func Fuzz' . | grep -v '^./.venv' | while read -r f; do
+    sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' "$f" | sed "s|^|./$(dirname "${f#./}") |"
+  done)
 }
 
 ## demo: the main job (setup and build first)
@@ -128,7 +154,7 @@ main() {
   local sub="${1:-help}"
   shift || true
   case "$sub" in
-    setup | build | test | demo | help) "cmd_$sub" "$@" ;;
+    setup | build | test | demo | soak | fuzz | help) "cmd_$sub" "$@" ;;
     *) cmd_help >&2; die "unknown subcommand: $sub" ;;
   esac
 }
