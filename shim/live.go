@@ -134,10 +134,10 @@ func (m *promMetrics) registerLive(engineID string, live func() WorkerLive) {
 // a gonixl engine serves its registries at http://<host>:<port>/metrics,
 // host GONIXL_METRICS_HOST (default 127.0.0.1). A worker listens on
 // port + dp_index*(world+1) + its rank (world = tp_size*pp_size, rank =
-// pp_rank*tp_size + tp_rank); the scheduler on port + dp_index*(world+1)
-// when world is 1 (vLLM runs it in the worker's process: one server for
-// both), else on port + dp_index*(world+1) + world. A second engine in a
-// process joins the server already running there.
+// pp_rank*tp_size + tp_rank); the scheduler on port + dp_index*(world+1) +
+// world. An engine created in a process that already serves joins that
+// server (vLLM's in-process executor creates the worker first, so both are
+// then on the worker's port).
 const (
 	EnvMetricsPort = "GONIXL_METRICS_PORT"
 	EnvMetricsHost = "GONIXL_METRICS_HOST"
@@ -165,12 +165,12 @@ func metricsPortFor(cfg *Config, worker bool) (int, error) {
 	tp, pp := max(cfg.TPSize, 1), max(cfg.PPSize, 1)
 	world := tp * pp
 	off := cfg.DPIndex * (world + 1)
-	switch {
-	case worker:
+	if worker {
 		off += cfg.PPRank*tp + cfg.TPRank
-	case world > 1:
-		// vLLM runs the scheduler in its own process (EngineCore) when
-		// there are several workers.
+	} else {
+		// The scheduler's own port: vLLM usually runs it in a process of
+		// its own (EngineCore; on CPU even at TP = PP = 1). When a worker
+		// in its process already serves, it joins that server instead.
 		off += world
 	}
 	if base+off > 65535 {

@@ -13,6 +13,32 @@ import (
 	"github.com/gonixl/gonixl/nixl/nixltest"
 )
 
+func TestMetricsPorts(t *testing.T) {
+	t.Setenv(EnvMetricsPort, "9000")
+	for _, c := range []struct {
+		tp, pp, tpRank, ppRank, dp int
+		worker                     bool
+		want                       int
+	}{
+		{1, 1, 0, 0, 0, true, 9000},
+		{1, 1, 0, 0, 0, false, 9001}, // vLLM on CPU: the scheduler's own process
+		{2, 1, 1, 0, 0, true, 9001},
+		{2, 1, 0, 0, 0, false, 9002},
+		{2, 2, 1, 1, 0, true, 9003},
+		{2, 1, 1, 0, 1, true, 9004},
+		{2, 1, 0, 0, 1, false, 9005},
+	} {
+		cfg := &Config{TPSize: c.tp, PPSize: c.pp, TPRank: c.tpRank, PPRank: c.ppRank, DPIndex: c.dp}
+		if got, err := metricsPortFor(cfg, c.worker); err != nil || got != c.want {
+			t.Errorf("%+v: port %d %v, want %d", c, got, err, c.want)
+		}
+	}
+	t.Setenv(EnvMetricsPort, "x")
+	if _, err := metricsPortFor(&Config{}, true); err == nil {
+		t.Error("a bad port was accepted")
+	}
+}
+
 func scrape(t *testing.T, addr string) string {
 	t.Helper()
 	resp, err := http.Get("http://" + addr + "/metrics")
@@ -49,9 +75,11 @@ func TestLiveCountsAndMetricsServer(t *testing.T) {
 	port := freePort(t)
 	t.Setenv(EnvMetricsPort, strconv.Itoa(port))
 	clock, eng, p, d := stuckRead(t, 30, "req-live", "req-dlive")
+	// The test creates the prefill's scheduler first: the server takes the
+	// scheduler's port (base + world), and every later engine joins it.
 	addr := MetricsAddr()
-	if addr != fmt.Sprintf("127.0.0.1:%d", port) {
-		t.Fatalf("metrics server at %q, want port %d", addr, port)
+	if addr != fmt.Sprintf("127.0.0.1:%d", port+1) {
+		t.Fatalf("metrics server at %q, want port %d", addr, port+1)
 	}
 	l := d.work.Live()
 	if l.TransferHandles != 1 || l.ReceivingRequests != 1 || l.PendingHandshakes != 0 || l.RemoteEngines != 1 {
