@@ -107,16 +107,24 @@ cmd_test() {
     GONIXL_E2E_MODEL="tests/fixtures/geometry/$m" GONIXL_E2E_LOGS="tests/e2e/logs/interop-$m" \
       bash tests/e2e/run_interop_test.sh
   done
+  # The soak's short version: load through the proxy with disconnects and
+  # aborts, then every live count (transfer handles, leases, handshakes)
+  # back to zero and vLLM's KV-cache usage back to idle on both sides.
+  log "e2e: tests/e2e/run_soak_test.sh (short)"
+  GONIXL_SOAK_REQUESTS="${GONIXL_SOAK_REQUESTS:-500}" bash tests/e2e/run_soak_test.sh
   # Several hosts as network namespaces (skips, saying why, without root).
   log "e2e: tests/e2e/run_netns_test.sh"
   bash tests/e2e/run_netns_test.sh
 }
 
-## soak: the multi-host namespace test (and, once it lands, the long soak)
+## soak: the long soak (2,000 requests at 32 concurrent) and the multi-host namespace test
 cmd_soak() {
   cmd_setup
   cmd_build
   export GONIXL_LIB_PATH="$LIB"
+  log "soak: tests/e2e/run_soak_test.sh"
+  GONIXL_SOAK_REQUESTS="${GONIXL_SOAK_REQUESTS:-2000}" GONIXL_SOAK_CONCURRENCY="${GONIXL_SOAK_CONCURRENCY:-32}" \
+    bash tests/e2e/run_soak_test.sh
   log "soak: tests/e2e/run_netns_test.sh"
   bash tests/e2e/run_netns_test.sh
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import urllib.request
 
@@ -88,3 +89,27 @@ def read_from(path: str, offset: int = 0) -> str:
     with open(path, "rb") as f:
         f.seek(offset)
         return f.read().decode(errors="replace")
+
+
+def samples(text: str, name: str, **labels: str) -> list[float]:
+    """Every value of metric name (whose labels include labels) in a /metrics text; [] when absent.
+
+    Unlike counter(), an absent metric is visible to the caller (a leak check
+    on a metric that is not exported must fail, not read 0).
+    """
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            out.append(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def gonixl_metrics_urls(log_text: str) -> list[tuple[str, str]]:
+    """(role, url) of each "gonixl metrics served" line of a vLLM log (GONIXL_METRICS_PORT).
+
+    One line per process that serves: an engine that joins the server already
+    running in its process logs none.
+    """
+    return re.findall(r'gonixl metrics served\s+\{"role": "(\w+)".*?"url": "([^"]+)"', log_text)

@@ -168,3 +168,25 @@ wait_ready() {
 
 # e2e_elapsed: seconds since lib.sh was sourced.
 e2e_elapsed() { echo $((SECONDS - E2E_T0)); }
+
+# gonixl_kv_config_extra ROLE ENGINE EXTRA: gonixl_kv_config with more members
+# in kv_connector_extra_config; EXTRA is a JSON fragment such as
+# '"kv_lease_duration":10' (run_soak_test.sh).
+gonixl_kv_config_extra() {
+  printf '{"kv_connector":"GoNixlConnector","kv_connector_module_path":"gonixl.vllm","kv_role":"%s","kv_connector_extra_config":{"transfer_engine":"%s",%s}}' \
+    "$1" "$2" "$3"
+}
+
+# wait_log NAME FILE REGEX: until FILE has a line matching the extended
+# REGEX (printed), a started process exits, or WAIT passes.
+wait_log() {
+  local deadline=$((SECONDS + WAIT)) pid line
+  until line=$(grep -m1 -E "$3" "$2" 2>/dev/null); do
+    if ((SECONDS > deadline)); then e2e_say "$1: no line matching '$3' in $2 after ${WAIT}s"; return 1; fi
+    for pid in "${PIDS[@]}"; do
+      kill -0 "$pid" 2>/dev/null || { e2e_say "a server exited early (pid $pid)"; return 1; }
+    done
+    sleep 1
+  done
+  echo "$line"
+}
