@@ -6,6 +6,7 @@ import (
 	"math"
 	"strconv"
 	"strings"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -125,7 +126,10 @@ func (c *Config) applyDefaults() error {
 	if c.PPSize == 0 {
 		c.PPSize = 1
 	}
-	if c.TPSize < 0 || c.PPSize < 0 || c.TPRank < 0 || c.TPRank >= c.TPSize || c.PPRank < 0 || c.PPRank >= c.PPSize || c.DPIndex < 0 {
+	// Upper bounds: those of the tp_size / pp_size this engine writes into
+	// kv_transfer_params (ParseTransferParams refuses larger ones).
+	if c.TPSize < 0 || c.TPSize > 1<<16 || c.PPSize < 0 || c.PPSize > 1<<20 || c.TPRank < 0 || c.TPRank >= c.TPSize ||
+		c.PPRank < 0 || c.PPRank >= c.PPSize || c.DPIndex < 0 {
 		return fmt.Errorf("config: bad parallel layout tp %d/%d pp %d/%d dp %d", c.TPRank, c.TPSize, c.PPRank, c.PPSize, c.DPIndex)
 	}
 	if c.BlockSize < 0 {
@@ -151,6 +155,11 @@ func (c *Config) applyDefaults() error {
 	if c.SideChannelPort < 0 || c.SideChannelPort > 65535 {
 		return fmt.Errorf("config: side channel port %d out of range", c.SideChannelPort)
 	}
+	if c.DPIndex > 65535-c.SideChannelPort {
+		// The listener binds port + dp_index, and that port goes into
+		// kv_transfer_params.
+		return fmt.Errorf("config: side channel port %d + dp_index %d is beyond 65535", c.SideChannelPort, c.DPIndex)
+	}
 	var err error
 	x := extra(c.Extra)
 	if c.Backends, err = x.strings("backends", []string{"UCX"}); err != nil {
@@ -162,11 +171,15 @@ func (c *Config) applyDefaults() error {
 	if c.KVLeaseDuration, err = x.float("kv_lease_duration", 30); err != nil {
 		return err
 	}
-	if c.KVLeaseDuration <= 0 {
-		return fmt.Errorf("config: kv_lease_duration must be positive, got %v", c.KVLeaseDuration)
+	if err := checkSeconds("kv_lease_duration", c.KVLeaseDuration); err != nil {
+		return err
 	}
 	if c.DecoderKVBlocksTTL, err = x.float("decoder_kv_blocks_ttl", 480); err != nil {
 		return err
+	}
+	if math.IsNaN(c.DecoderKVBlocksTTL) || math.IsInf(c.DecoderKVBlocksTTL, 0) {
+		// It becomes remote_blocks_expiry_time, which JSON cannot carry.
+		return fmt.Errorf("config: kv_connector_extra_config.decoder_kv_blocks_ttl must be a finite number of seconds, got %v", c.DecoderKVBlocksTTL)
 	}
 	if c.BidirectionalKVXfer, err = x.bool("bidirectional_kv_xfer", false); err != nil {
 		return err
@@ -200,8 +213,11 @@ func (c *Config) applyDefaults() error {
 	if c.HandshakeTimeout, err = x.float("handshake_timeout", 30); err != nil {
 		return err
 	}
-	if c.TransferTimeout <= 0 || c.HandshakeTimeout <= 0 {
-		return fmt.Errorf("config: transfer_timeout and handshake_timeout must be positive")
+	if err := checkSeconds("transfer_timeout", c.TransferTimeout); err != nil {
+		return err
+	}
+	if err := checkSeconds("handshake_timeout", c.HandshakeTimeout); err != nil {
+		return err
 	}
 	// NIXL's Python API (and so vLLM) runs the UCX progress thread with a
 	// zero delay: it polls without sleeping and takes a core per worker even
@@ -210,8 +226,19 @@ func (c *Config) applyDefaults() error {
 	if c.ProgressDelayUs, err = x.int("progress_thread_delay_us", 1000); err != nil {
 		return err
 	}
-	if c.ProgressDelayUs < 0 {
-		return fmt.Errorf("config: progress_thread_delay_us must not be negative, got %d", c.ProgressDelayUs)
+	if c.ProgressDelayUs < 0 || int64(c.ProgressDelayUs) > math.MaxInt64/int64(time.Microsecond) {
+		return fmt.Errorf("config: progress_thread_delay_us must be between 0 and %d, got %d", math.MaxInt64/int64(time.Microsecond), c.ProgressDelayUs)
+	}
+	return nil
+}
+
+// checkSeconds validates a duration setting: positive, and finite and small
+// enough for a time.Duration (NaN would pass every comparison: a NaN
+// transfer_timeout never expires, a NaN lease expiry cannot be written to
+// kv_transfer_params).
+func checkSeconds(key string, v float64) error {
+	if !(v > 0) || v*float64(time.Second) >= float64(math.MaxInt64) {
+		return fmt.Errorf("config: kv_connector_extra_config.%s must be a positive number of seconds (at most %.0f), got %v", key, float64(math.MaxInt64)/float64(time.Second), v)
 	}
 	return nil
 }

@@ -2,6 +2,8 @@ package shim
 
 import (
 	"fmt"
+	"math"
+	"math/bits"
 	"sort"
 	"strings"
 
@@ -76,8 +78,8 @@ type KVLayout struct {
 // block is one contiguous range. Every region must lie inside its tensor's
 // storage.
 func BuildLayout(layers []LayerTensor, numBlocks int64) (*KVLayout, error) {
-	if numBlocks <= 0 {
-		return nil, fmt.Errorf("kv caches: num_blocks must be positive, got %d", numBlocks)
+	if numBlocks <= 0 || numBlocks > math.MaxInt32 {
+		return nil, fmt.Errorf("kv caches: num_blocks must be positive and fit descriptor ids (int32), got %d", numBlocks)
 	}
 	var kept []LayerTensor
 	for _, l := range layers {
@@ -120,14 +122,19 @@ func BuildLayout(layers []LayerTensor, numBlocks int64) (*KVLayout, error) {
 		if l.StorageBytes == 0 || l.StoragePtr == 0 {
 			return nil, fmt.Errorf("kv caches: layer %s has no storage range", l.Name)
 		}
-		end := l.StoragePtr + l.StorageBytes
+		end, carry := bits.Add64(l.StoragePtr, l.StorageBytes, 0)
+		if carry != 0 {
+			return nil, fmt.Errorf("kv caches: layer %s storage [%#x, +%d) wraps the address space", l.Name, l.StoragePtr, l.StorageBytes)
+		}
 		group, kind := 0, layerKind(l)
 		if l.Group != nil {
 			group = *l.Group
 		}
 		for _, r := range regs {
-			last := r.Base + uint64(numBlocks-1)*r.Stride + r.Len
-			if r.Base < l.StoragePtr || last > end || last < r.Base {
+			hi, span := bits.Mul64(uint64(numBlocks-1), r.Stride)
+			span, c1 := bits.Add64(span, r.Len, 0)
+			last, c2 := bits.Add64(r.Base, span, 0)
+			if hi != 0 || c1 != 0 || c2 != 0 || r.Base < l.StoragePtr || last > end {
 				return nil, fmt.Errorf("kv caches: layer %s region [%#x, %#x) lies outside its storage [%#x, %#x)", l.Name, r.Base, last, l.StoragePtr, end)
 			}
 			if k, ok := byBase[r.Base]; ok {
@@ -150,6 +157,11 @@ func BuildLayout(layers []LayerTensor, numBlocks int64) (*KVLayout, error) {
 		if s, ok := storages[l.StoragePtr]; !ok || s.Len < l.StorageBytes {
 			storages[l.StoragePtr] = nixl.Region{Addr: l.StoragePtr, Len: l.StorageBytes, DevID: dev}
 		}
+	}
+	// Descriptor ids (region*num_blocks + block) are int32, and
+	// registration prepares one descriptor per (region, block).
+	if int64(len(out.Regions))*numBlocks > math.MaxInt32 {
+		return nil, fmt.Errorf("kv caches: %d regions x %d blocks exceed the int32 descriptor ids", len(out.Regions), numBlocks)
 	}
 	for _, s := range storages {
 		out.Storage = append(out.Storage, s)
@@ -253,12 +265,19 @@ func layerRegions(l LayerTensor, numBlocks int64) ([]Region, error) {
 		return nil, fmt.Errorf("kv caches: layer %s: no dimension of shape %v equals num_blocks=%d", l.Name, l.Shape, numBlocks)
 	}
 	// Inner dimensions must be dense: a block is one contiguous range.
+	tooBig := fmt.Errorf("kv caches: layer %s: shape %v stride %v element size %d: sizes overflow", l.Name, l.Shape, l.Stride, l.ElemSize)
 	inner := int64(1)
 	for j := nd - 1; j > bd; j-- {
 		if l.Shape[j] != 1 && l.Stride[j] != inner {
 			return nil, fmt.Errorf("kv caches: layer %s: shape %v stride %v: block contents are not contiguous (layout not supported)", l.Name, l.Shape, l.Stride)
 		}
+		if inner > math.MaxInt64/l.Shape[j] {
+			return nil, tooBig
+		}
 		inner *= l.Shape[j]
+	}
+	if inner > math.MaxInt64/l.ElemSize || l.Stride[bd] > math.MaxInt64/l.ElemSize {
+		return nil, tooBig
 	}
 	blockLen := uint64(inner * l.ElemSize)
 	blockStride := uint64(l.Stride[bd] * l.ElemSize)
@@ -268,17 +287,27 @@ func layerRegions(l LayerTensor, numBlocks int64) ([]Region, error) {
 	// One region per index of the outer dimensions.
 	bases := []uint64{l.DataPtr}
 	for j := 0; j < bd; j++ {
+		// Checked before expanding: a huge outer dimension must not be
+		// materialised first.
+		if l.Shape[j] > (1<<16)/int64(len(bases)) {
+			return nil, fmt.Errorf("kv caches: layer %s: too many regions", l.Name)
+		}
+		if l.Stride[j] > math.MaxInt64/l.ElemSize {
+			return nil, tooBig
+		}
 		step := uint64(l.Stride[j] * l.ElemSize)
 		var next []uint64
 		for _, b := range bases {
 			for k := int64(0); k < l.Shape[j]; k++ {
-				next = append(next, b+uint64(k)*step)
+				hi, off := bits.Mul64(uint64(k), step)
+				a, carry := bits.Add64(b, off, 0)
+				if hi != 0 || carry != 0 {
+					return nil, tooBig
+				}
+				next = append(next, a)
 			}
 		}
 		bases = next
-		if len(bases) > 1<<16 {
-			return nil, fmt.Errorf("kv caches: layer %s: too many regions", l.Name)
-		}
 	}
 	regs := make([]Region, len(bases))
 	for i, b := range bases {

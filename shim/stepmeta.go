@@ -80,5 +80,23 @@ func DecodeStepMeta(b []byte) (*StepMeta, error) {
 	if env.Meta == nil {
 		return nil, fmt.Errorf("step metadata: empty")
 	}
+	env.Meta.dropNil()
 	return env.Meta, nil
+}
+
+// dropNil removes nil entries (msgpack nil map values, which a correct
+// scheduler never writes): an entry without data names no work, and the
+// worker would dereference it (a panic: the library poisoned). Negative or out-of-range block ids are left
+// to the worker, which fails only that request (pairBlocks).
+func (m *StepMeta) dropNil() {
+	for id, rr := range m.ReqsToRecv {
+		if rr == nil {
+			delete(m.ReqsToRecv, id)
+		}
+	}
+	for eng, hb := range m.Heartbeats {
+		if hb == nil {
+			delete(m.Heartbeats, eng)
+		}
+	}
 }

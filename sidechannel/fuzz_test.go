@@ -3,11 +3,18 @@ package sidechannel
 import (
 	"bufio"
 	"bytes"
+	"context"
+	"io"
+	"math"
 	"net"
 	"os"
 	"reflect"
+	"slices"
+	"strings"
 	"testing"
 	"time"
+
+	"go.uber.org/zap"
 )
 
 // Every decoder is fuzzed for one invariant: no panic, and an error exactly
@@ -141,6 +148,226 @@ func FuzzZMTPCommand(f *testing.F) {
 		name, props, err := parseCommand(b)
 		if err != nil && (name != "" || props != nil) {
 			t.Fatalf("value %q %v with error %v", name, props, err)
+		}
+	})
+}
+
+// readConn is a net.Conn that reads the fuzzer's bytes and drops writes.
+type readConn struct {
+	nopConn
+	r io.Reader
+}
+
+func (c *readConn) Read(p []byte) (int, error) { return c.r.Read(p) }
+
+// readyFrame is a peer's READY command as a frame.
+func readyFrame(socketType string) []byte {
+	body := appendProp(appendProp([]byte("\x05READY"), "Socket-Type", socketType), "Identity", "")
+	return append(frameHeader(len(body), flagCommand), body...)
+}
+
+// reqMessage frames a REQ request: empty delimiter, then the body.
+func reqMessage(frames ...[]byte) []byte {
+	out := frameHeader(0, flagMore)
+	for i, fr := range frames {
+		fl := byte(flagMore)
+		if i == len(frames)-1 {
+			fl = 0
+		}
+		out = append(append(out, frameHeader(len(fr), fl)...), fr...)
+	}
+	return out
+}
+
+// FuzzZMTPHandshake feeds a peer's greeting and READY (and what follows) to
+// both ends of the handshake. Properties: no panic, a connection exactly when
+// no error, only with a peer of an accepted socket type, and every later
+// frame within the limit.
+func FuzzZMTPHandshake(f *testing.F) {
+	g := greeting()
+	req := append(append(append([]byte{}, g...), readyFrame("REQ")...), reqMessage(unhex(f, requestHex))...)
+	router := append(append(append([]byte{}, g...), readyFrame("ROUTER")...), reqMessage(unhex(f, payloadHex), EncodeClock(1))...)
+	bad := append([]byte{}, g...)
+	bad[12] = 'X'
+	errCmd := append(append([]byte{}, g...), append(frameHeader(9, flagCommand), "\x05ERROR\x03bad"...)...)
+	f.Add(req, false)
+	f.Add(router, true)
+	f.Add(bad, false)
+	f.Add(errCmd, true)
+	f.Add(append(append([]byte{}, g...), readyFrame("PUB")...), false)
+	f.Add(append(append([]byte{}, g...), frameHeader(1<<20, flagCommand|flagLong)...), true)
+	f.Add(g[:30], false)
+	const limit = 1 << 12
+	f.Fuzz(func(t *testing.T, b []byte, asClient bool) {
+		own, accept := "ROUTER", []string{"REQ", "DEALER"}
+		if asClient {
+			own, accept = "REQ", []string{"ROUTER", "REP"}
+		}
+		z, err := zmtpHandshake(&readConn{r: bytes.NewReader(b)}, own, accept, limit, 8)
+		if (z == nil) == (err == nil) {
+			t.Fatalf("connection %v with error %v", z, err)
+		}
+		if err != nil {
+			return
+		}
+		if !slices.Contains(accept, z.peerType) {
+			t.Fatalf("%s accepted a %q peer", own, z.peerType)
+		}
+		for i := 0; i < 4; i++ {
+			frames, err := z.readMsg()
+			if err != nil {
+				return
+			}
+			if len(frames) > 8 {
+				t.Fatalf("%d frames passed the limit of 8", len(frames))
+			}
+			for _, fr := range frames {
+				if len(fr) > limit {
+					t.Fatalf("frame of %d bytes passed the %d limit", len(fr), limit)
+				}
+			}
+		}
+	})
+}
+
+// FuzzListenerHandle answers arbitrary request frames as the listener does.
+// Properties: every reply is a well-formed payload and clock; the payload is
+// served only for a well-formed request for a rank that has one, and, with a
+// secret, only to a request whose MAC verifies (which the fuzzer cannot
+// forge: any served reply with a secret must carry the request's own MAC).
+func FuzzListenerHandle(f *testing.F) {
+	tag, _, err := authTag([]byte("k"), Rank{0, 0})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(EncodeRequest(Rank{0, 0}), []byte{}, uint8(1), false)
+	f.Add(encodeRequest(tag, Rank{0, 0}), []byte{}, uint8(1), true)
+	f.Add(encodeRequest(tag, Rank{0, 0}), []byte{}, uint8(1), false)
+	f.Add(EncodeRequest(Rank{0, 0}), []byte{}, uint8(1), true)
+	f.Add(EncodeRequest(Rank{1, 0}), []byte{}, uint8(1), false)
+	f.Add(unhex(f, requestHex), []byte("x"), uint8(2), false)
+	f.Add([]byte{}, []byte{}, uint8(0), false)
+	payload := (&HandshakePayload{"h", minimalMetadata().Encode()}).Encode()
+	f.Fuzz(func(t *testing.T, a, b []byte, n uint8, withSecret bool) {
+		var secret []byte
+		if withSecret {
+			secret = []byte("k")
+		}
+		l := &Listener{cfg: ListenerConfig{Secret: secret, Clock: func() float64 { return 42.5 }}, log: zap.NewNop(),
+			payloads: map[Rank][]byte{{0, 0}: payload}}
+		body := [][]byte{a, b, a}[:n%4]
+		reply := l.handle(body)
+		if len(reply) != 2 && len(reply) != 3 {
+			t.Fatalf("reply of %d frames", len(reply))
+		}
+		p, err := DecodeHandshakePayload(reply[0])
+		if err != nil {
+			t.Fatalf("reply payload does not decode: %v", err)
+		}
+		if c, err := DecodeClock(reply[1]); err != nil || c != 42.5 {
+			t.Fatalf("reply clock %v %v", c, err)
+		}
+		if parseErrorPayload(p) != nil {
+			if len(reply) != 2 {
+				t.Fatalf("error reply of %d frames", len(reply))
+			}
+			return
+		}
+		if !bytes.Equal(reply[0], payload) || len(body) != 1 {
+			t.Fatalf("served %x for %d frames", reply[0], len(body))
+		}
+		req, err := DecodeRequest(body[0])
+		if err != nil || req.Rank != (Rank{0, 0}) {
+			t.Fatalf("served a payload for request %v (%v)", req, err)
+		}
+		nonce, mac, authed := splitAuthTag(req.Tag)
+		switch {
+		case withSecret && (!authed || !bytes.Equal(mac, requestMAC(secret, nonce, req.Rank)) || len(reply) != 3):
+			t.Fatal("served without a verified request MAC")
+		case withSecret && !bytes.Equal(reply[2], replyMAC(secret, mac, reply[0], reply[1])):
+			t.Fatal("reply MAC does not bind the reply")
+		case !withSecret && (authed || len(reply) != 2):
+			t.Fatal("unauthenticated listener answered an authenticated request")
+		}
+	})
+}
+
+// FuzzClientReply feeds arbitrary reply bytes to the client's query (what a
+// remote listener, or anything at remote_host:remote_port, sends back).
+// Properties: no panic; metadata exactly when no error; "retry" only with an
+// error; a reply is accepted only with this engine's compatibility hash and
+// never with a secret configured (the request MAC is random per query, so no
+// input can authenticate).
+func FuzzClientReply(f *testing.F) {
+	md := minimalMetadata().Encode()
+	ok := reqMessage((&HandshakePayload{"h", md}).Encode(), EncodeClock(2))
+	f.Add(ok, false)
+	f.Add(ok, true)
+	f.Add(reqMessage((&HandshakePayload{"h", md}).Encode(), EncodeClock(2), make([]byte, 32)), true)
+	f.Add(reqMessage(errorPayload(codeNotReady, "later"), EncodeClock(2)), false)
+	f.Add(reqMessage((&HandshakePayload{"other", md}).Encode(), EncodeClock(2)), false)
+	f.Add(reqMessage((&HandshakePayload{"h", []byte{0x80}}).Encode(), []byte{0xcb}), false)
+	f.Add(reqMessage(unhex(f, payloadHex)), false)
+	f.Fuzz(func(t *testing.T, b []byte, withSecret bool) {
+		var secret []byte
+		if withSecret {
+			secret = []byte("k")
+		}
+		c := NewClient(ClientConfig{CompatHash: "h", Secret: secret, Clock: func() float64 { return 1 }})
+		defer c.Close()
+		z := &zconn{c: nopConn{}, r: bufio.NewReader(bytes.NewReader(b)), maxFrame: 1 << 16, maxFrames: 8}
+		res := &Result{BestRTT: time.Duration(math.MaxInt64)}
+		meta, retry, err := c.query(context.Background(), z, Rank{0, 0}, res)
+		if (meta == nil) == (err == nil) {
+			t.Fatalf("metadata %v with error %v", meta, err)
+		}
+		if retry && err == nil {
+			t.Fatal("retry without an error")
+		}
+		if err != nil {
+			return
+		}
+		if withSecret {
+			t.Fatal("accepted a reply that cannot be authenticated")
+		}
+		if math.IsNaN(res.ClockOffset) {
+			t.Fatal("NaN clock offset from an accepted reply")
+		}
+		if _, err := DecodeAgentMetadata(meta.Encode()); err != nil {
+			t.Fatalf("accepted metadata does not re-encode: %v", err)
+		}
+	})
+}
+
+// FuzzHashFactorsJSON hashes the factor dictionary that crosses from Python
+// as JSON. Properties: no panic, deterministic, a SHA-256 hex digest, and
+// "" and "nixl" are the same (stock) engine kind.
+func FuzzHashFactorsJSON(f *testing.F) {
+	f.Add([]byte(`{"vllm_version": "0.11.0", "model": "m", "dtype": "torch.bfloat16", "num_kv_heads": 8, "speculative_config": null, "x": [1, "a", true, {"y": []}]}`), "ucx")
+	f.Add([]byte(`{"a": 1.5}`), "")
+	f.Add([]byte(`{"a": 99999999999999999999}`), "nixl")
+	f.Add([]byte(`{"a": "\ud800\udc00\ud800"}`), "ucx")
+	f.Add([]byte(`{"a": `+strings.Repeat("[", 300)+strings.Repeat("]", 300)+`}`), "")
+	f.Add([]byte(`{} {}`), "")
+	f.Add([]byte(`[]`), "")
+	f.Fuzz(func(t *testing.T, data []byte, kind string) {
+		h, err := HashFactorsJSON(data, kind)
+		if err != nil {
+			if h != "" {
+				t.Fatalf("hash %q with error %v", h, err)
+			}
+			return
+		}
+		if len(h) != 64 || strings.Trim(h, "0123456789abcdef") != "" {
+			t.Fatalf("hash %q is not a SHA-256 hex digest", h)
+		}
+		if h2, err := HashFactorsJSON(data, kind); err != nil || h2 != h {
+			t.Fatalf("second hash %q (%v) differs from %q", h2, err, h)
+		}
+		if kind == "" {
+			if h3, err := HashFactorsJSON(data, StockTransferEngine); err != nil || h3 != h {
+				t.Fatalf(`engine kind "" and %q hash differently`, StockTransferEngine)
+			}
 		}
 	})
 }

@@ -10,6 +10,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"fmt"
+	"io"
 	"runtime"
 	"sort"
 	"strings"
@@ -588,7 +589,10 @@ func parseNotifs(b []byte, count int) ([]nixl.Notif, error) {
 			return nil, fmt.Errorf("record of %d bytes, %d left", l, r.Len())
 		}
 		v := make([]byte, l)
-		_, err := r.Read(v)
+		// ReadFull: a bytes.Reader's Read at the end of the buffer returns
+		// io.EOF even for an empty record (an empty message, last), which
+		// lost the whole batch.
+		_, err := io.ReadFull(r, v)
 		return v, err
 	}
 	for i := 0; i < count; i++ {
