@@ -129,7 +129,7 @@ cmd_soak() {
   bash tests/e2e/run_netns_test.sh
 }
 
-## fuzz: every Go fuzz target for GONIXL_FUZZTIME each (default 10m)
+## fuzz: every Go fuzz target for GONIXL_FUZZTIME each (default 10m), and a long Hypothesis run
 cmd_fuzz() {
   cmd_setup
   cmd_build
@@ -141,6 +141,8 @@ cmd_fuzz() {
   done < <(grep -rl --include='*_test.go' '^func Fuzz' . | grep -v '^./.venv' | while read -r f; do
     sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' "$f" | sed "s|^|./$(dirname "${f#./}") |"
   done)
+  log "fuzz: Hypothesis on the scheduler entry points (GONIXL_FUZZ_EXAMPLES=${GONIXL_FUZZ_EXAMPLES:-5000})"
+  GONIXL_FUZZ_EXAMPLES="${GONIXL_FUZZ_EXAMPLES:-5000}" "$PY" -m pytest -q tests/python/test_fuzz_scheduler.py
 }
 
 ## demo: the main job (setup and build first)
