@@ -225,7 +225,7 @@ func (x *xfer) Release() error {
 	if x.released {
 		return nixl.Errorf(nixl.ErrInvalidParam, "ReleaseXfer", "transfer released twice")
 	}
-	if x.c != nil && !a.closed && C.gx_xfer_busy(a.c, x.c) != 0 {
+	if x.c != nil && !a.closed && !x.peer.dead && C.gx_xfer_busy(a.c, x.c) != 0 {
 		// Its GETs may still land in local memory, and UCX cannot cancel
 		// them: the caller must keep the memory from reuse and try again
 		// (the data phase ends when the ops complete, or fail once the
