@@ -123,19 +123,34 @@ func TestLiveCountsAndMetricsServer(t *testing.T) {
 }
 
 // A READ whose handle the engine will not release (one it cannot cancel)
-// fails its request but keeps it from vLLM until the handle is released:
-// the blocks it may still write are never handed back early, and the
-// stuck handle is counted.
+// fails its request at transfer_timeout (failed_recving, bounded) but
+// withholds finished_recving until the handle is released: vLLM keeps the
+// blocks of a request not finished receiving, so the blocks the READ may
+// still write are never handed back early; the stuck handle is counted.
 func TestStuckReleaseHeldUntilReleased(t *testing.T) {
 	clock, eng, _, d := stuckRead(t, 3000, "req-stuck", "req-dstuck")
 	ag := eng.Agent(d.work.agent.Name())
 	ag.SetScript(nixltest.Script{Polls: 1000000, FailStep: nixltest.StepReleaseXfer})
 	clock.Advance(1001) // past transfer_timeout
+	failedAt := -1
 	for i := 0; i < 5; i++ {
-		if f := d.finished(t); contains(f.Recving, "req-dstuck") {
-			t.Fatalf("request reported while its READ handle is still live: %+v", f)
+		f := d.finished(t)
+		if contains(f.Recving, "req-dstuck") {
+			t.Fatalf("request reported finished receiving while its READ handle is still live: %+v", f)
+		}
+		if contains(f.Failed, "req-dstuck") {
+			if failedAt >= 0 {
+				t.Fatalf("failure reported twice: %+v", f)
+			}
+			failedAt = i
+			if got := d.work.LoadErrors(); len(got) != 1 || got[0] != 9 {
+				t.Fatalf("load errors with the failure %v", got)
+			}
 		}
 		clock.Advance(0.5)
+	}
+	if failedAt != 0 {
+		t.Fatalf("failure of the stuck READ reported at poll %d, want at once (transfer_timeout)", failedAt)
 	}
 	if l := d.work.Live(); l.StuckHandles != 1 || l.TransferHandles != 1 {
 		t.Fatalf("live: %+v", l)
@@ -143,11 +158,11 @@ func TestStuckReleaseHeldUntilReleased(t *testing.T) {
 	ag.SetScript(nixltest.Script{Polls: 1000000})
 	clock.Advance(stuckRetry)
 	f := d.waitFinished(t, "report once released", func(f Finished) bool { return contains(f.Recving, "req-dstuck") })
-	if !contains(f.Failed, "req-dstuck") {
-		t.Fatalf("a timed-out READ reported as a success: %+v", f)
+	if contains(f.Failed, "req-dstuck") {
+		t.Fatalf("failure reported again at release: %+v", f)
 	}
-	if got := d.work.LoadErrors(); len(got) != 1 || got[0] != 9 {
-		t.Fatalf("load errors %v", got)
+	if got := d.work.LoadErrors(); len(got) != 0 {
+		t.Fatalf("load errors again at release %v", got)
 	}
 	if l := d.work.Live(); l.StuckHandles != 0 || l.TransferHandles != 0 {
 		t.Fatalf("live after release: %+v", l)

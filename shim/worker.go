@@ -104,7 +104,10 @@ type recvState struct {
 	waiting bool // for a handshake
 	failed  bool
 	report  bool // vLLM tracks it in _recving_metadata
-	remote  *remoteEngine
+	// failedSent: failed_recving was reported (reportFailedLocked); with a
+	// stuck handle that happens before finished_recving (holdStuckLocked).
+	failedSent bool
+	remote     *remoteEngine
 }
 
 type inflight struct {
@@ -114,8 +117,9 @@ type inflight struct {
 	slow     bool // "still in flight" was logged
 	// A handle the engine would not release (a READ it cannot cancel):
 	// stuck is when that was first seen, nextTry the next attempt. Its
-	// request is failed but not reported to vLLM until the handle is
-	// released, so vLLM cannot reuse blocks the READ may still write.
+	// request is reported failed but not finished receiving until the
+	// handle is released, so vLLM cannot reuse blocks the READ may still
+	// write.
 	stuck, nextTry float64
 	stuckLogged    float64 // last time it was logged
 }
@@ -956,25 +960,46 @@ func (w *Worker) pollTransfersLocked() {
 		}
 		w.done.Recving = append(w.done.Recving, id)
 		if st.failed {
-			w.done.Failed = append(w.done.Failed, id)
-			for _, g := range st.meta.LocalBlockIDs {
-				for _, b := range g {
-					w.invalid[b] = struct{}{}
-				}
-			}
+			w.reportFailedLocked(st)
+		}
+	}
+}
+
+// reportFailedLocked reports a failed load once: the request in
+// failed_recving, its blocks in the load errors (the Python side passes
+// those on only for a single KV-cache group, as vLLM requires).
+func (w *Worker) reportFailedLocked(st *recvState) {
+	if st.failedSent {
+		return
+	}
+	st.failedSent = true
+	w.done.Failed = append(w.done.Failed, st.id)
+	for _, g := range st.meta.LocalBlockIDs {
+		for _, b := range g {
+			w.invalid[b] = struct{}{}
 		}
 	}
 }
 
 // holdStuckLocked keeps a handle the engine would not release. Its request
-// is already failed; it is reported to vLLM (its blocks to
-// kv_load_failure_policy) only once the handle is released: until then the
-// engine may still write into those blocks, and vLLM must not give them to
-// another request. Visible as gonixl_stuck_transfer_handles and in the log.
+// is already failed and is reported in failed_recving at once; it is
+// reported finished receiving only once the handle is released: until then
+// the engine may still write into those blocks, and vLLM must not give them
+// to another request. Visible as gonixl_stuck_transfer_handles and in the log.
 func (w *Worker) holdStuckLocked(st *recvState, f *inflight, now float64, err error) {
 	f.stuck, f.nextTry, f.stuckLogged = now, now+stuckRetry, now
 	w.stuckTotal.Add(1)
-	w.logFailure("transfer_release_failed", st, fmt.Sprintf("the engine cannot release the READ's handle; its %d local blocks stay held (not reported to vLLM) until it can, retried every %gs",
+	if st.report {
+		// The failure is reported now (bounded); finished_recving, which
+		// lets vLLM free or reuse the blocks, only at release. vLLM's
+		// scheduler keeps the blocks of a request that is not finished
+		// receiving: under "fail" it ends the request with an error at
+		// once and holds its blocks (the delayed free of an aborted
+		// receive); under "recompute" the request waits in
+		// WAITING_FOR_REMOTE_KVS, its blocks allocated, until the release.
+		w.reportFailedLocked(st)
+	}
+	w.logFailure("transfer_release_failed", st, fmt.Sprintf("the engine cannot release the READ's handle; the request is reported failed, its %d local blocks stay held (finished_recving withheld) until the handle is released, retried every %gs",
 		st.meta.LocalBlockIDs.Count(), stuckRetry), err)
 }
 
@@ -986,7 +1011,7 @@ func (w *Worker) retryStuckLocked(st *recvState, f *inflight, now float64) bool 
 	f.nextTry = now + stuckRetry
 	err := f.x.Release()
 	if err == nil {
-		w.log.Warn("stuck READ handle released; its request is reported failed now", zap.String("request_id", st.id),
+		w.log.Warn("stuck READ handle released; its request is reported finished receiving now (vLLM may reuse its blocks)", zap.String("request_id", st.id),
 			zap.Float64("held_seconds", now-f.stuck))
 		return true
 	}

@@ -598,13 +598,17 @@ func (a *agent) teardownPeer(p *peer) {
 		a.destroyRkeys(p.retired)
 	} else if p.established {
 		// Operations still in flight after the flush timeout (a peer
-		// that stopped answering, a cut link): a forced close cancels
-		// them, so no GET lands in local memory after its transfer was
-		// given up (a graceful close leaves them running inside UCX).
-		// Only on an endpoint known to be wired up: UCX 1.13 aborts the
-		// process (wireup_ep.c assertion) when it force-closes one whose
-		// wireup is still pending. On such an endpoint the transfers stay
-		// busy (Release refuses) until their operations end on their own.
+		// that stopped answering, a cut link): in error mode peer a
+		// forced close completes them (canceled), and the peer's late
+		// answers are dropped, so no GET lands in local memory after its
+		// transfer was given up (a graceful close leaves them running
+		// inside UCX). In error mode none UCX 1.13 leaves them
+		// outstanding even then (TestGivenUpReadNeverLandsLate/sm-none):
+		// their transfers stay busy (Release refuses) until the peer
+		// answers or is found dead. Only on an endpoint known to be wired
+		// up: UCX 1.13 aborts the process (wireup_ep.c assertion) when it
+		// force-closes one whose wireup is still pending; there too the
+		// transfers stay busy until their operations end on their own.
 		// Their rkeys are leaked (the ops may reference them).
 		force = 1
 	}

@@ -626,12 +626,28 @@ func TestProgressThreadPanicRecovered(t *testing.T) {
 
 // A READ given up on (its peer stopped progressing) must never write local
 // memory after it is released: Release refuses while its GETs may still
-// land; InvalidateRemote force-closes an established endpoint so that they
-// cannot, and Release then succeeds; the peer's late answers are dropped.
+// land. In peer mode InvalidateRemote force-closes an established endpoint
+// so that they cannot, and Release then succeeds at once; the peer's late
+// answers are dropped. In none mode (UCX 1.13: a forced close does not
+// complete the operations) Release keeps refusing until the peer answers.
 func TestGivenUpReadNeverLandsLate(t *testing.T) {
-	t.Setenv("UCX_TLS", "tcp") // GETs emulated over active messages: the target must progress
+	for _, c := range []struct {
+		name, tls, mode string
+		cancels         bool
+	}{
+		{"tcp-peer", "tcp", "peer", true},
+		{"sm-none", "", "none", false},
+	} {
+		t.Run(c.name, func(t *testing.T) { givenUpReadNeverLandsLate(t, c.tls, c.mode, c.cancels) })
+	}
+}
+
+func givenUpReadNeverLandsLate(t *testing.T, tls, mode string, cancels bool) {
+	if tls != "" {
+		t.Setenv("UCX_TLS", tls) // GETs emulated over active messages: the target must progress
+	}
 	const blk, nblk = 64 << 10, 8
-	p := newPair(t, blk*nblk, map[string]string{ParamErrMode: "peer"}, false)
+	p := newPair(t, blk*nblk, map[string]string{ParamErrMode: mode}, false)
 	local, err := p.a.PrepDescList("", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufA), Len: blk * nblk}})
 	if err != nil {
 		t.Fatal(err)
@@ -678,6 +694,15 @@ func TestGivenUpReadNeverLandsLate(t *testing.T) {
 	if err := p.a.InvalidateRemote("B"); err != nil {
 		t.Fatal(err)
 	}
+	if !cancels {
+		// B still silent: the operations stay outstanding, and so must the
+		// handle (its memory may still be written).
+		for end := time.Now().Add(time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+			if err := x.Release(); nixl.StatusOf(err) != nixl.ErrRepostActive {
+				t.Fatalf("Release with the operations outstanding after InvalidateRemote: %v, want ERR_REPOST_ACTIVE", err)
+			}
+		}
+	}
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		err := x.Release()
@@ -686,6 +711,9 @@ func TestGivenUpReadNeverLandsLate(t *testing.T) {
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("Release after InvalidateRemote: %v", err)
+		}
+		if !cancels {
+			drain(p.b) // B answers now
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

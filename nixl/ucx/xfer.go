@@ -228,9 +228,10 @@ func (x *xfer) Release() error {
 	if x.c != nil && !a.closed && !x.peer.dead && C.gx_xfer_busy(a.c, x.c) != 0 {
 		// Its GETs may still land in local memory, and UCX cannot cancel
 		// them: the caller must keep the memory from reuse and try again
-		// (the data phase ends when the ops complete, or fail once the
-		// peer is invalidated: InvalidateRemote force-closes an endpoint
-		// whose flush does not complete).
+		// (the data phase ends when the ops complete, when the peer is
+		// found dead, or, in error mode peer, once the peer is
+		// invalidated: InvalidateRemote force-closes an endpoint whose
+		// flush does not complete).
 		return nixl.Errorf(nixl.ErrRepostActive, "ReleaseXfer",
 			"the transfer's operations are still in flight and cannot be cancelled; release it after they complete or after InvalidateRemote of its peer")
 	}

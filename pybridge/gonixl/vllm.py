@@ -596,7 +596,14 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return r.finished_sending, r.finished_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set(json.loads(_lib.call_bytes("gonixl_worker_load_errors", self._worker, initial=64)))
+        blocks = set(json.loads(_lib.call_bytes("gonixl_worker_load_errors", self._worker, initial=64)))
+        if len(self.kv_cache_config.kv_cache_groups) > 1:
+            # Block ids are unique only within a group: vLLM's scheduler
+            # refuses invalid_block_ids for such layouts (RuntimeError in
+            # _handle_invalid_blocks). The same failures are reported per
+            # request in failed_recving (get_transfer_results).
+            return set()
+        return blocks
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         if not self._worker:

@@ -505,6 +505,30 @@ def test_load_error_remote_block_out_of_range(pd):
     finish_decode(d, dr)
 
 
+def test_load_error_with_several_kv_cache_groups_is_per_request(pd, monkeypatch):
+    """With more than one KV-cache group block ids are unique only within a
+    group, and vLLM's scheduler raises RuntimeError on invalid_block_ids for
+    such a layout (_handle_invalid_blocks): a failed load is then reported
+    in failed_recving only, never as block ids."""
+    p, d = pd
+    pre = h.prefill(p, "grp-p", 64, seed=5)
+    bad = dict(pre.params)
+    bad["remote_block_ids"] = [[pre.block_ids[0], P_BLOCKS + 1000]]
+    # The worker connector sees a two-group layout (a copy: the scheduler
+    # side and the harness keep the real one-group config).
+    two = copy.copy(d.worker.kv_cache_config)
+    object.__setattr__(two, "kv_cache_groups", [two.kv_cache_groups[0]] * 2)
+    monkeypatch.setattr(d.worker, "kv_cache_config", two)
+    inv_before = len(d.out.invalid_blocks)
+    dr = h.schedule_decode(d, "grp-d", 64, bad)
+    h.run_until([p, d], lambda: "grp-d" in d.out.recving, "the failed request in finished_recving")
+    assert "grp-d" in d.out.failed
+    assert d.out.invalid_blocks[inv_before:] == [], "invalid_block_ids reported for a multi-group layout"
+    monkeypatch.undo()
+    assert d.worker.get_block_ids_with_load_errors() == set()  # drained while the layout had two groups
+    finish_decode(d, dr)
+
+
 @pytest.mark.parametrize("bad_ids", [[-1, 2], [0, 2**40], [[1]]], ids=["negative", "huge", "nested"])
 def test_bad_remote_block_ids_never_read(pd, bad_ids):
     """Malformed remote block ids: the request is either computed locally
