@@ -125,6 +125,7 @@ type agent struct {
 	gen       uint64
 	selfGen   uint64 // localGen the loopback peer was built from
 	graveyard []*C.gx_ep
+	retiring  []*retiring // invalidated peers whose endpoint is still flushing or closing
 	xfers     map[*xfer]struct{}
 	epInfo    string
 	epPeer    string // the peer epInfo describes
@@ -623,6 +624,11 @@ func (a *agent) teardownPeer(p *peer) {
 	p.gen = 0
 }
 
+// InvalidateRemote forgets a peer at once (a new load of the same name gets
+// a new endpoint) and retires its endpoint in the background: the flush and
+// close that teardownPeer waits for advance with the agent's progress
+// (advanceRetiringLocked), so the caller -- vLLM's model thread, through the
+// worker -- never waits for a peer that stopped answering.
 func (a *agent) InvalidateRemote(name string) error {
 	const op = "InvalidateRemote"
 	a.mu.Lock()
@@ -634,9 +640,123 @@ func (a *agent) InvalidateRemote(name string) error {
 	if p == nil {
 		return nixl.Errorf(nixl.ErrNotFound, op, "agent %q is not loaded", name)
 	}
-	a.teardownPeer(p)
 	delete(a.peers, name)
+	a.retireLocked(p, time.Now())
 	return nil
+}
+
+// retiring is an invalidated peer on its way out: flushing (its
+// operations may end), then closing. teardownPeer's rules apply: a flushed
+// or failed endpoint gets its rkeys destroyed and a graceful close; one
+// whose flush timed out keeps its rkeys (operations may reference them)
+// and is force-closed if it is known to be wired up; a dead peer's is
+// force-closed at once.
+type retiring struct {
+	p        *peer
+	closing  bool
+	req      unsafe.Pointer // the flush or close request, nil when none
+	deadline time.Time
+}
+
+func (a *agent) retireLocked(p *peer, now time.Time) {
+	p.gen = 0
+	a.copyMu.Lock()
+	detachShm(p)
+	a.copyMu.Unlock()
+	p.closePidfd()
+	r := &retiring{p: p}
+	if p.dead {
+		a.closeRetiringLocked(r, true, now)
+		return
+	}
+	switch rc := C.gx_ep_flush_start(a.c, p.ep, &r.req); {
+	case rc == 1:
+		r.deadline = now.Add(flushTimeoutMs * time.Millisecond)
+		a.retiring = append(a.retiring, r)
+	default: // flushed at once, or failed
+		a.destroyRkeys(p.rkeys)
+		a.destroyRkeys(p.retired)
+		a.closeRetiringLocked(r, false, now)
+	}
+}
+
+// closeRetiringLocked starts r's close; r joins a.retiring while it runs.
+func (a *agent) closeRetiringLocked(r *retiring, force bool, now time.Time) {
+	p := r.p
+	p.rkeys, p.retired, p.regions = nil, nil, nil
+	r.closing = true
+	cf := C.int(0)
+	if force {
+		cf = 1
+	}
+	if C.gx_ep_close_start(a.c, p.ep, cf, &r.req) == 1 {
+		r.deadline = now.Add(closeTimeoutMs * time.Millisecond)
+		for _, q := range a.retiring {
+			if q == r {
+				return
+			}
+		}
+		a.retiring = append(a.retiring, r)
+		return
+	}
+	// Transfers may still hold the gx_ep; it is freed with the agent.
+	a.graveyard = append(a.graveyard, p.ep)
+}
+
+// advanceRetiringLocked moves every retiring peer on by one poll: called
+// wherever the agent progresses its worker under mu (the progress thread,
+// Check, Release, GetNotifs).
+func (a *agent) advanceRetiringLocked(now time.Time) {
+	if len(a.retiring) == 0 {
+		return
+	}
+	cur := a.retiring
+	a.retiring = nil
+	for _, r := range cur {
+		rc := C.gx_req_poll(a.c, &r.req)
+		if rc == 1 && now.Before(r.deadline) {
+			a.retiring = append(a.retiring, r)
+			continue
+		}
+		C.gx_req_abandon(&r.req)
+		if r.closing {
+			// Closed, or the peer does not answer the close handshake:
+			// worker destruction reclaims the endpoint.
+			a.graveyard = append(a.graveyard, r.p.ep)
+			continue
+		}
+		if rc == 1 {
+			// The flush timed out (a peer that stopped answering, a cut
+			// link): see teardownPeer for why only an established
+			// endpoint is force-closed, and why the rkeys are leaked.
+			a.closeRetiringLocked(r, r.p.established, now)
+			continue
+		}
+		a.destroyRkeys(r.p.rkeys)
+		a.destroyRkeys(r.p.retired)
+		a.closeRetiringLocked(r, false, now)
+	}
+}
+
+// finishRetiringLocked ends every retirement at once (agent Close): a
+// flush still running is given up as teardownPeer would on timeout.
+func (a *agent) finishRetiringLocked() {
+	for _, r := range a.retiring {
+		C.gx_req_abandon(&r.req)
+		if !r.closing {
+			r.p.rkeys, r.p.retired, r.p.regions = nil, nil, nil
+			C.gx_ep_close(a.c, r.p.ep, boolInt(r.p.established || r.p.dead), closeTimeoutMs)
+		}
+		a.graveyard = append(a.graveyard, r.p.ep)
+	}
+	a.retiring = nil
+}
+
+func boolInt(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // selfPeer returns the loopback peer (an endpoint to this agent's own
@@ -876,6 +996,7 @@ func (a *agent) GetNotifs() ([]nixl.Notif, error) {
 		return nil, nixl.Errorf(nixl.ErrBackend, "GetNotifs", "%s", *msg)
 	}
 	C.gx_progress(a.c, 64)
+	a.advanceRetiringLocked(time.Now())
 	var dropped C.uint64_t
 	head := C.gx_notifs_take(a.c, &dropped)
 	a.dropped += uint64(dropped)
@@ -914,6 +1035,7 @@ func (a *agent) Close() error {
 		x.c = nil
 	}
 	a.xfers = nil
+	a.finishRetiringLocked()
 	names := make([]string, 0, len(a.peers))
 	for n := range a.peers {
 		names = append(names, n)

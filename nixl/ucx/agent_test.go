@@ -691,8 +691,14 @@ func givenUpReadNeverLandsLate(t *testing.T, tls, mode string, cancels bool) {
 	if err := x.Release(); nixl.StatusOf(err) != nixl.ErrRepostActive {
 		t.Fatalf("Release of a READ still in flight: %v, want ERR_REPOST_ACTIVE", err)
 	}
+	t0 := time.Now()
 	if err := p.a.InvalidateRemote("B"); err != nil {
 		t.Fatal(err)
+	}
+	// The endpoint is retired in the background: the caller (vLLM's model
+	// thread, through the worker) does not wait for the flush timeout.
+	if d := time.Since(t0); d >= flushTimeoutMs*time.Millisecond/2 {
+		t.Fatalf("InvalidateRemote of a silent peer took %v: it waited for the endpoint's flush", d)
 	}
 	if !cancels {
 		// B still silent: the operations stay outstanding, and so must the

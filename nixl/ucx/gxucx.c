@@ -598,6 +598,81 @@ void gx_ep_close(gx_agent *a, gx_ep *e, int force, int timeout_ms)
     G.request_free(sp);
 }
 
+int gx_ep_flush_start(gx_agent *a, gx_ep *e, void **req)
+{
+    ucp_request_param_t p;
+    ucs_status_ptr_t sp;
+
+    (void)a;
+    *req = NULL;
+    if (e == NULL || e->closed) {
+        return 0;
+    }
+    if (__atomic_load_n(&e->failed, __ATOMIC_ACQUIRE)) {
+        return GX_ERR_EP_FAILED;
+    }
+    memset(&p, 0, sizeof(p));
+    sp = G.ep_flush_nbx(e->ep, &p);
+    if (sp == NULL) {
+        return 0;
+    }
+    if (UCS_PTR_IS_ERR(sp)) {
+        return UCS_PTR_STATUS(sp);
+    }
+    *req = sp;
+    return 1;
+}
+
+int gx_ep_close_start(gx_agent *a, gx_ep *e, int force, void **req)
+{
+    ucp_request_param_t p;
+    ucs_status_ptr_t sp;
+
+    (void)a;
+    *req = NULL;
+    if (e == NULL || e->closed) {
+        return 0;
+    }
+    e->closed = 1;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = (force || __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE)) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    sp = G.ep_close_nbx(e->ep, &p);
+    if (sp == NULL) {
+        return 0;
+    }
+    if (UCS_PTR_IS_ERR(sp)) {
+        return UCS_PTR_STATUS(sp);
+    }
+    *req = sp;
+    return 1;
+}
+
+int gx_req_poll(gx_agent *a, void **req)
+{
+    ucs_status_t st;
+
+    if (*req == NULL) {
+        return 0;
+    }
+    G.worker_progress(a->worker);
+    st = G.request_check_status(*req);
+    if (st == UCS_INPROGRESS) {
+        return 1;
+    }
+    G.request_free(*req);
+    *req = NULL;
+    return st == UCS_OK ? 0 : (int)st;
+}
+
+void gx_req_abandon(void **req)
+{
+    if (*req != NULL) {
+        G.request_free(*req);
+        *req = NULL;
+    }
+}
+
 void gx_ep_free(gx_ep *e) { free(e); }
 
 /* ---- memory ---------------------------------------------------------------- */

@@ -104,6 +104,17 @@ int gx_ep_flush(gx_agent *a, gx_ep *e, int timeout_ms);
 /* Closes the endpoint: flush-close (force if failed or asked), progressing for at most
  * timeout_ms. The gx_ep struct stays allocated (freed by gx_ep_free). */
 void gx_ep_close(gx_agent *a, gx_ep *e, int force, int timeout_ms);
+/* Non-blocking halves of gx_ep_flush and gx_ep_close, for a teardown
+ * advanced by the progress loop: each returns 0 when done at once, 1 with
+ * *req set to a request to poll with gx_req_poll, <0 on failure. */
+int gx_ep_flush_start(gx_agent *a, gx_ep *e, void **req);
+int gx_ep_close_start(gx_agent *a, gx_ep *e, int force, void **req);
+/* Progresses the worker once and reports a request: 1 still in progress,
+ * 0 completed OK, <0 completed with an error. A completed request is
+ * freed (and *req cleared). */
+int gx_req_poll(gx_agent *a, void **req);
+/* Gives an unfinished request back to UCX (freed when it completes). */
+void gx_req_abandon(void **req);
 void gx_ep_free(gx_ep *e);
 
 /* Maps [addr, addr+len) and packs its rkey into a malloc'd buffer. */

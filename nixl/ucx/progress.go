@@ -90,7 +90,9 @@ func (a *agent) progressStep(last time.Time) (stop bool, n C.int) {
 	if spin {
 		arm = 0
 	}
-	return false, C.gx_progress_arm(a.c, arm)
+	n = C.gx_progress_arm(a.c, arm)
+	a.advanceRetiringLocked(now)
+	return false, n
 }
 
 // progressPanicHook, when set (tests only), runs in every progress sweep.

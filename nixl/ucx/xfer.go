@@ -186,6 +186,7 @@ func (x *xfer) checkLocked(fn string) (nixl.Status, error) {
 		return nixl.ErrInvalidParam, err
 	}
 	rc := C.gx_check(x.a.c, x.peer.ep, x.c, 1)
+	x.a.advanceRetiringLocked(time.Now())
 	if x.a.prog != nil {
 		x.a.polled = time.Now()
 	}
@@ -224,6 +225,9 @@ func (x *xfer) Release() error {
 	defer a.mu.Unlock()
 	if x.released {
 		return nixl.Errorf(nixl.ErrInvalidParam, "ReleaseXfer", "transfer released twice")
+	}
+	if x.c != nil && !a.closed {
+		a.advanceRetiringLocked(time.Now())
 	}
 	if x.c != nil && !a.closed && !x.peer.dead && C.gx_xfer_busy(a.c, x.c) != 0 {
 		// Its GETs may still land in local memory, and UCX cannot cancel
