@@ -112,6 +112,12 @@ cmd_test() {
   # back to zero and vLLM's KV-cache usage back to idle on both sides.
   log "e2e: tests/e2e/run_soak_test.sh (short)"
   GONIXL_SOAK_REQUESTS="${GONIXL_SOAK_REQUESTS:-500}" bash tests/e2e/run_soak_test.sh
+  # Process faults: a decode paused past the lease, a READ to a frozen
+  # prefill, the prefill killed and restarted, a decode killed (its blocks
+  # freed at lease expiry), untrusted kv_transfer_params straight to a
+  # decode; under both kv_load_failure_policy values.
+  log "e2e: tests/e2e/run_faults_test.sh"
+  bash tests/e2e/run_faults_test.sh
   # Several hosts as network namespaces (skips, saying why, without root).
   log "e2e: tests/e2e/run_netns_test.sh"
   bash tests/e2e/run_netns_test.sh
