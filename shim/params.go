@@ -64,6 +64,13 @@ func (p *TransferParams) HasRemoteEndpoint() bool {
 	return p.hasEngine && p.hasRequest && p.hasHost && p.hasPort
 }
 
+// UsableEndpoint reports whether the remote side can be contacted: the four
+// keys present, and engine id, host and port not empty or null (vLLM checks
+// presence only; a null or 0 port would be dialled as port 0).
+func (p *TransferParams) UsableEndpoint() bool {
+	return p.HasRemoteEndpoint() && p.RemoteEngineID != "" && p.RemoteHost != "" && p.RemotePort > 0
+}
+
 // HasHeartbeatTarget reports whether a decode request carries what a
 // heartbeat needs (on_new_request's check).
 func (p *TransferParams) HasHeartbeatTarget() bool {

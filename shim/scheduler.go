@@ -122,7 +122,7 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 		return 0, false
 	}
 	if p.DoRemotePrefill {
-		if !p.HasRemoteBlocks || !p.HasRemoteEndpoint() || p.RemoteEngineID == "" || p.RemoteHost == "" {
+		if !p.HasRemoteBlocks || !p.UsableEndpoint() {
 			// Nothing can be pulled (a broken proxy, or a prefill that kept
 			// no blocks): compute locally rather than wait for KV that no
 			// one will send.
@@ -180,9 +180,9 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 		return false, nil
 	}
 	if p.HasRemoteBlocks {
-		if !p.HasRemoteEndpoint() || p.RemoteEngineID == "" || p.RemoteRequestID == "" || p.RemoteHost == "" {
+		if !p.UsableEndpoint() || p.RemoteRequestID == "" {
 			s.log.Warn("invalid kv_transfer_params: this request will not use KV transfer",
-				zap.String("req_id", reqID), zap.String("reason", "remote_engine_id, remote_request_id, remote_host and remote_port are required"))
+				zap.String("req_id", reqID), zap.String("reason", "remote_engine_id, remote_request_id, remote_host and remote_port (1-65535) are required"))
 		} else {
 			if numExternal <= 0 {
 				localBlocks = nil
@@ -286,7 +286,7 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 			Remote: RemoteMeta{BlockIDs: p.RemoteBlockIDs, Host: p.RemoteHost, Port: p.RemotePort,
 				EngineID: p.RemoteEngineID, RequestID: p.RemoteRequestID, Expiry: p.RemoteExpiry, NumTokens: p.RemoteNumTokens},
 		})
-		if !p.HasRemoteEndpoint() || p.RemoteEngineID == "" || p.RemoteHost == "" {
+		if !p.UsableEndpoint() {
 			delete(s.reqsNeedRecv, reqID)
 		}
 		return false, nil, nil

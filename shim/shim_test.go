@@ -770,3 +770,25 @@ func numRemotes(w *Worker) int {
 	defer w.mu.Unlock()
 	return len(w.remotes)
 }
+
+// A decode request whose remote_port is null or 0 names no reachable side
+// channel: it is computed locally (no remote tokens matched), never dialled
+// as port 0. vLLM checks only that the key is present.
+func TestRemotePortNullOrZeroComputedLocally(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
+	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
+	out := prefill(t, p, "req-p", []int64{3, 4, 5}, 12)
+	var m map[string]any
+	if err := json.Unmarshal(out, &m); err != nil {
+		t.Fatal(err)
+	}
+	for _, port := range []any{nil, 0} {
+		m["remote_port"] = port
+		b, _ := json.Marshal(m)
+		dp := mustParams(t, string(b))
+		if n, async := d.sched.GetNumNewMatchedTokens(dp, 12, 0); n != 0 || async {
+			t.Fatalf("remote_port %v: matched %d async=%v, want 0 false", port, n, async)
+		}
+	}
+}
