@@ -8,10 +8,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/gonixl/gonixl/nixl/nixltest"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/gonixl/gonixl/nixl/nixltest"
 )
 
 // remoteOf reads the worker's remote table entry under its lock.

@@ -565,7 +565,9 @@ func FuzzNotifications(f *testing.F) {
 		}
 		w, a, _ := fzWorker(t, fzConfig(t, RoleWorker, "kv_producer", nil, nil), fzLayers([]*int{nil}, []string{""}, 0))
 		now := w.clock()
-		w.toSend = map[string]float64{"req-a": now + 30, "req:b": now + 30}
+		w.held = newLeases(w.clock)
+		w.held.Hold("req-a", now+30)
+		w.held.Hold("req:b", now+30)
 		w.toProcess = map[string]struct{}{"req-a": {}, "req-c": {}}
 		before := map[string]float64{"req-a": now + 30, "req:b": now + 30}
 		for _, m := range msgs {
@@ -604,7 +606,8 @@ func FuzzNotifications(f *testing.F) {
 		if !reflect.DeepEqual(got, want) {
 			t.Fatalf("released %v, want %v", got, want)
 		}
-		for id, exp := range w.toSend {
+		for _, id := range w.held.IDs() {
+			exp, _ := w.held.Deadline(id)
 			if exp < before[id] {
 				t.Fatalf("lease of %q shortened from %v to %v", id, before[id], exp)
 			}

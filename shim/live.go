@@ -55,8 +55,8 @@ func (w *Worker) Live() WorkerLive {
 			}
 		}
 	}
-	held := make(map[string]struct{}, len(w.toSend)+len(w.toProcess))
-	for id := range w.toSend {
+	held := make(map[string]struct{}, w.held.Len()+len(w.toProcess))
+	for _, id := range w.held.IDs() {
 		held[id] = struct{}{}
 	}
 	for id := range w.toProcess {

@@ -9,11 +9,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/gonixl/gonixl/nixl"
-	"github.com/gonixl/gonixl/nixl/nixltest"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/nixl/nixltest"
 )
 
 const (

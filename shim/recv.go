@@ -1,0 +1,437 @@
+// The receiving side (a decode's worker): posting a request's READ,
+// polling it to completion, failing it within transfer_timeout, and
+// reporting it to vLLM (finished_recving, failed_recving, load errors).
+
+package shim
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+
+	"go.uber.org/zap"
+
+	"github.com/gonixl/gonixl/nixl"
+)
+
+type recvState struct {
+	id      string
+	meta    *RecvReq
+	xfers   []*inflight
+	waiting bool // for a handshake
+	failed  bool
+	report  bool // vLLM tracks it in _recving_metadata
+	// failedSent: failed_recving was reported (reportFailedLocked); with a
+	// stuck handle that happens before finished_recving (holdStuckLocked).
+	failedSent bool
+	remote     *remoteEngine
+}
+
+type inflight struct {
+	x        nixl.Xfer
+	posted   float64 // this worker's clock
+	deadline float64
+	slow     bool // "still in flight" was logged
+	// A handle the engine would not release (a READ it cannot cancel):
+	// stuck is when that was first seen, nextTry the next attempt. Its
+	// request is reported failed but not finished receiving until the
+	// handle is released, so vLLM cannot reuse blocks the READ may still
+	// write.
+	stuck, nextTry float64
+	stuckLogged    float64 // last time it was logged
+}
+
+// stuckRetry is the period of release attempts for a stuck handle, and
+// stuckLogEvery how often one still stuck is logged again.
+const (
+	stuckRetry    = 1.0
+	stuckLogEvery = 60.0
+)
+
+// slowReadAfter is how long a READ may stay in flight before the worker logs
+// it (once, then again when it ends): READs take milliseconds, and a stall
+// is otherwise invisible until transfer_timeout or the lease fails it.
+const slowReadAfter = 5.0 // seconds
+
+// startReadsLocked starts the step's READs (or their handshakes), in
+// request-id order.
+func (w *Worker) startReadsLocked(m *StepMeta) {
+	ids := make([]string, 0, len(m.ReqsToRecv))
+	for id := range m.ReqsToRecv {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	for _, id := range ids {
+		rr := m.ReqsToRecv[id]
+		if old, dup := w.recv[id]; dup && (old.waiting || len(old.xfers) > 0) {
+			w.log.Warn("request is already loading; ignoring the second load", zap.String("req_id", id))
+			continue
+		}
+		st := &recvState{id: id, meta: rr, report: rr.AwaitingKVs || !rr.LocalBlockIDs.Empty()}
+		w.recv[id] = st
+		w.readLocked(st)
+	}
+}
+
+// readLocked posts the READ for one request, or queues it behind a
+// handshake. Failures are recorded on the request, never returned: one bad
+// request must not stop the step.
+func (w *Worker) readLocked(st *recvState) {
+	rm := &st.meta.Remote
+	if rm.EngineID == "" {
+		w.stats.RecordFailedTransfer()
+		w.failLocked(st, "transfer_setup_failed", "kv_transfer_params has no remote_engine_id", nil)
+		return
+	}
+	re, ok := w.remotes[rm.EngineID]
+	if ok && (re.host != rm.Host || re.port != rm.Port) {
+		// The request names the engine at another address: a restarted
+		// prefill that kept its engine_id, or a wrong (or forged) address.
+		// The working connection stays until a handshake at the new address
+		// succeeds with that same engine id; only then is it replaced.
+		w.log.Info("request names a known remote engine at another address; handshaking there", zap.String("remote_engine_id", re.id),
+			zap.String("known", fmt.Sprintf("%s:%d", re.host, re.port)), zap.String("requested", fmt.Sprintf("%s:%d", rm.Host, rm.Port)))
+		ok = false
+	}
+	if !ok {
+		st.waiting = true
+		w.startHandshakeLocked(rm.EngineID, rm.Host, rm.Port, st.meta.TPSize, st.id)
+		return
+	}
+	st.waiting = false
+	st.remote = re
+	w.touchRemoteLocked(re)
+	notif := doneNotif(rm.RequestID, 1) // one reader per prefill rank (TP = 1)
+	local, remote, err := w.pairBlocks(st.meta, re)
+	if err != nil {
+		w.stats.RecordFailedTransfer()
+		w.failLocked(st, "transfer_setup_failed", err.Error(), nil)
+		return
+	}
+	if len(local) == 0 {
+		// Full local prefix hit or abort before scheduling: tell the
+		// prefill it can free its blocks now.
+		if err := w.agent.SendNotif(re.agent, notif); err != nil {
+			w.stats.RecordFailedNotification()
+			w.logFailure("notification_failed", st, "P worker blocks will be freed after timeout. This may indicate network issues.", err)
+		}
+		return
+	}
+	if left := w.leaseLeft(st); left < w.leaseMargin {
+		// The remote's lease ends before a READ could safely complete.
+		w.stats.RecordKVExpired()
+		w.failLocked(st, "kv_lease_expired", fmt.Sprintf("the remote lease ends in %.1fs (< %.2gs safety margin; %s); not reading blocks the prefill may reuse",
+			left, w.leaseMargin, w.leaseDetail(st)), nil)
+		// Nothing will be read: let the prefill free the blocks now rather
+		// than at its lease's end.
+		if err := w.agent.SendNotif(re.agent, notif); err != nil {
+			w.stats.RecordFailedNotification()
+		}
+		return
+	}
+	lidx := regionDescIDs(w.layout.Regions, w.layout.NumBlocks, local)
+	ridx := regionDescIDs(w.layout.Regions, re.numBlocks, remote)
+	x, err := w.agent.MakeXfer(nixl.Read, w.localList, lidx, re.list, ridx, notif)
+	if err != nil {
+		w.stats.RecordFailedTransfer()
+		w.failLocked(st, "transfer_setup_failed", "", err)
+		return
+	}
+	if _, err := x.Post(); err != nil {
+		_ = x.Release()
+		w.stats.RecordFailedTransfer()
+		w.failLocked(st, "transfer_failed", "", err)
+		w.dropRemoteOnDisconnect(re, err)
+		return
+	}
+	now := w.clock()
+	st.xfers = append(st.xfers, &inflight{x: x, posted: now, deadline: now + w.cfg.TransferTimeout})
+}
+
+// pairBlocks validates and pairs local and remote block ids, group by
+// group. An empty local side means nothing to read (a full local prefix
+// hit, or an abort before scheduling). With a local prefix-cache hit the
+// local list is shorter: only the tail of the remote blocks is read, which
+// is right only when the remote list covers exactly the prompt this engine
+// allocated for — so a full-attention group's remote list must have exactly
+// as many blocks as this engine holds for the prompt (cached + to read),
+// and a sliding-window group's no more than its window. Anything else is a
+// kv_transfer_params that does not belong to this request, and reading it
+// would compute from someone else's KV.
+func (w *Worker) pairBlocks(rr *RecvReq, re *remoteEngine) (BlockIDs, BlockIDs, error) {
+	local, remote := rr.LocalBlockIDs, rr.Remote.BlockIDs
+	if local.Empty() {
+		return nil, nil, nil
+	}
+	groups := w.cfg.TransferGroups
+	ng := max(len(groups), 1)
+	if len(local) != ng {
+		return nil, nil, fmt.Errorf("%d local KV-cache groups in the step metadata, this engine has %d", len(local), ng)
+	}
+	if len(remote) != ng {
+		return nil, nil, fmt.Errorf("the remote engine sent block ids for %d KV-cache groups, this engine has %d", len(remote), ng)
+	}
+	outR := make(BlockIDs, ng)
+	for g := range local {
+		l, r := local[g], remote[g]
+		window := 0
+		if g < len(groups) && w.cfg.HMARequired {
+			window = groups[g].blocksInWindow()
+		}
+		switch {
+		case window > 0 && len(r) > window:
+			return nil, nil, fmt.Errorf("group %d: %d remote block ids for a sliding window of %d blocks", g, len(r), window)
+		case window == 0 && g < len(rr.LocalNumComputed) && int64(len(l)) > 0 && int64(len(r)) != rr.LocalNumComputed[g]+int64(len(l)):
+			return nil, nil, fmt.Errorf("group %d: the remote engine sent %d block ids, but this prompt takes %d blocks here (%d cached locally + %d to read): the kv_transfer_params do not belong to this prompt",
+				g, len(r), rr.LocalNumComputed[g]+int64(len(l)), rr.LocalNumComputed[g], len(l))
+		case len(l) > len(r):
+			return nil, nil, fmt.Errorf("group %d: %d local blocks but the remote engine sent only %d block ids", g, len(l), len(r))
+		}
+		r = r[len(r)-len(l):]
+		for _, b := range l {
+			if b < 0 || b >= w.layout.NumBlocks {
+				return nil, nil, fmt.Errorf("local block id %d out of range [0, %d)", b, w.layout.NumBlocks)
+			}
+		}
+		for _, b := range r {
+			if b < 0 || b >= re.numBlocks {
+				return nil, nil, fmt.Errorf("remote block id %d out of range [0, %d) of engine %s", b, re.numBlocks, re.id)
+			}
+		}
+		outR[g] = r
+	}
+	if int64(len(w.layout.Regions))*max(w.layout.NumBlocks, re.numBlocks) > 1<<31-1 {
+		return nil, nil, errors.New("descriptor ids exceed int32")
+	}
+	return local, outR, nil
+}
+
+// regionDescIDs lists the descriptor ids (region r, block b: r*numBlocks+b)
+// of a request's blocks, as vLLM's NixlConnector does: when every region
+// serves the same groups (one group, or groups sharing every tensor), each
+// region reads every group's blocks; otherwise group g's blocks are read
+// from the regions of group g and the shared ones. Local and remote lists
+// built from paired block ids with the same regions correspond entry by
+// entry.
+func regionDescIDs(regions []Region, numBlocks int64, ids BlockIDs) []int32 {
+	n := 0
+	for _, g := range ids {
+		n += len(g)
+	}
+	out := make([]int32, 0, n*len(regions))
+	mapped := false
+	for _, r := range regions[1:] {
+		if r.Group != regions[0].Group {
+			mapped = true
+			break
+		}
+	}
+	if !mapped {
+		for ri := range regions {
+			off := int64(ri) * numBlocks
+			for _, g := range ids {
+				for _, b := range g {
+					out = append(out, int32(off+b))
+				}
+			}
+		}
+		return out
+	}
+	for gi, g := range ids {
+		for ri, r := range regions {
+			if r.Group != gi && r.Group != SharedGroup {
+				continue
+			}
+			off := int64(ri) * numBlocks
+			for _, b := range g {
+				out = append(out, int32(off+b))
+			}
+		}
+	}
+	return out
+}
+
+func (w *Worker) pollTransfersLocked() {
+	now := w.clock()
+	ids := make([]string, 0, len(w.recv))
+	for id := range w.recv {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	for _, id := range ids {
+		st := w.recv[id]
+		if st.waiting {
+			continue
+		}
+		kept := st.xfers[:0]
+		for _, f := range st.xfers {
+			if f.stuck > 0 {
+				// Already failed; only the handle is left to release.
+				if !w.retryStuckLocked(st, f, now) {
+					kept = append(kept, f)
+				}
+				continue
+			}
+			status, err := f.x.Check()
+			switch {
+			case err == nil && status == nixl.Success:
+				if f.slow {
+					w.log.Warn("slow READ completed", zap.String("request_id", st.id),
+						zap.String("remote_engine_id", st.meta.Remote.EngineID), zap.Float64("seconds", now-f.posted))
+				}
+				if t, ts := f.x.Telemetry(); ts == nixl.Success {
+					w.stats.RecordTransfer(t.XferDur.Seconds(), t.PostDur.Seconds(), t.Bytes, t.DescCount)
+				}
+				if rerr := f.x.Release(); rerr != nil {
+					// Complete: nothing writes the blocks any more.
+					w.logFailure("transfer_release_failed", st, "", rerr)
+				}
+				if left := w.leaseLeft(st); left <= 0 {
+					// Completed after the remote lease ended: the prefill may
+					// have freed and reused the blocks mid-read. No silent
+					// corruption: fail the load (kv_load_failure_policy).
+					w.stats.RecordKVExpired()
+					w.failLocked(st, "kv_lease_expired", fmt.Sprintf("READ completed %.1fs after the remote lease ended (%s); the data may be stale", -left, w.leaseDetail(st)), nil)
+				}
+			case err == nil && status == nixl.InProgress:
+				if !f.slow && now-f.posted >= slowReadAfter {
+					f.slow = true
+					w.log.Warn("READ still in flight", zap.String("request_id", st.id),
+						zap.String("remote_engine_id", st.meta.Remote.EngineID), zap.Float64("seconds", now-f.posted),
+						zap.Int("local_blocks", st.meta.LocalBlockIDs.Count()), zap.Float64("transfer_timeout", w.cfg.TransferTimeout))
+				}
+				if now >= f.deadline {
+					// Bounded wait: cancel and fail the request.
+					w.stats.RecordFailedTransfer()
+					w.failLocked(st, "transfer_failed", fmt.Sprintf("READ still in flight after transfer_timeout=%gs", w.cfg.TransferTimeout), nil)
+					if st.remote != nil {
+						// A peer that stopped answering is handshaken anew
+						// (this also closes the endpoint, which cancels
+						// what is still posted on it).
+						w.dropRemoteLocked(st.remote)
+					}
+					if rerr := f.x.Release(); rerr != nil {
+						w.holdStuckLocked(st, f, now, rerr)
+						kept = append(kept, f)
+					}
+					continue
+				}
+				kept = append(kept, f)
+			default:
+				if err == nil {
+					err = fmt.Errorf("transfer status %v", status)
+				}
+				w.stats.RecordFailedTransfer()
+				w.failLocked(st, "transfer_failed", "", err)
+				if re, ok := w.remotes[st.meta.Remote.EngineID]; ok {
+					w.dropRemoteOnDisconnect(re, err)
+				}
+				if rerr := f.x.Release(); rerr != nil {
+					w.holdStuckLocked(st, f, now, rerr)
+					kept = append(kept, f)
+				}
+			}
+		}
+		st.xfers = kept
+		if len(st.xfers) > 0 {
+			continue
+		}
+		delete(w.recv, id)
+		w.floors.Drop(st.meta.Remote.RequestID)
+		if !st.report {
+			continue // notify-only: vLLM does not wait for it
+		}
+		w.done.Recving = append(w.done.Recving, id)
+		if st.failed {
+			w.reportFailedLocked(st)
+		}
+	}
+}
+
+// reportFailedLocked reports a failed load once: the request in
+// failed_recving, its blocks in the load errors (the Python side passes
+// those on only for a single KV-cache group, as vLLM requires).
+func (w *Worker) reportFailedLocked(st *recvState) {
+	if st.failedSent {
+		return
+	}
+	st.failedSent = true
+	w.done.Failed = append(w.done.Failed, st.id)
+	for _, g := range st.meta.LocalBlockIDs {
+		for _, b := range g {
+			w.invalid[b] = struct{}{}
+		}
+	}
+}
+
+// holdStuckLocked keeps a handle the engine would not release. Its request
+// is already failed and is reported in failed_recving at once; it is
+// reported finished receiving only once the handle is released: until then
+// the engine may still write into those blocks, and vLLM must not give them
+// to another request. Visible as gonixl_stuck_transfer_handles and in the log.
+func (w *Worker) holdStuckLocked(st *recvState, f *inflight, now float64, err error) {
+	f.stuck, f.nextTry, f.stuckLogged = now, now+stuckRetry, now
+	w.stuckTotal.Add(1)
+	if st.report {
+		// The failure is reported now (bounded); finished_recving, which
+		// lets vLLM free or reuse the blocks, only at release. vLLM's
+		// scheduler keeps the blocks of a request that is not finished
+		// receiving: under "fail" it ends the request with an error at
+		// once and holds its blocks (the delayed free of an aborted
+		// receive); under "recompute" the request waits in
+		// WAITING_FOR_REMOTE_KVS, its blocks allocated, until the release.
+		w.reportFailedLocked(st)
+	}
+	w.logFailure("transfer_release_failed", st, fmt.Sprintf("the engine cannot release the READ's handle; the request is reported failed, its %d local blocks stay held (finished_recving withheld) until the handle is released, retried every %gs",
+		st.meta.LocalBlockIDs.Count(), stuckRetry), err)
+}
+
+// retryStuckLocked retries releasing a stuck handle; true once released.
+func (w *Worker) retryStuckLocked(st *recvState, f *inflight, now float64) bool {
+	if now < f.nextTry {
+		return false
+	}
+	f.nextTry = now + stuckRetry
+	err := f.x.Release()
+	if err == nil {
+		w.log.Warn("stuck READ handle released; its request is reported finished receiving now (vLLM may reuse its blocks)", zap.String("request_id", st.id),
+			zap.Float64("held_seconds", now-f.stuck))
+		return true
+	}
+	if now-f.stuckLogged >= stuckLogEvery {
+		f.stuckLogged = now
+		w.log.Error("READ handle still cannot be released; its local blocks stay held", zap.String("request_id", st.id),
+			zap.Float64("held_seconds", now-f.stuck), zap.Error(err))
+	}
+	return false
+}
+
+func (w *Worker) failLocked(st *recvState, kind, msg string, err error) {
+	st.failed = true
+	w.logFailure(kind, st, msg, err)
+}
+
+// logFailure prints vLLM's failure line: "NIXL transfer failure: <type> |
+// Context: {...}".
+func (w *Worker) logFailure(kind string, st *recvState, msg string, err error) {
+	ctx := map[string]any{"failure_type": kind, "engine_id": w.cfg.EngineID}
+	if st != nil {
+		ctx["request_id"] = st.id
+		rm := st.meta.Remote
+		ctx["remote_engine_id"] = rm.EngineID
+		ctx["remote_request_id"] = rm.RequestID
+		ctx["remote_host"] = rm.Host
+		ctx["remote_port"] = rm.Port
+		ctx["num_local_blocks"] = st.meta.LocalBlockIDs.Count()
+		ctx["num_remote_blocks"] = rm.BlockIDs.Count()
+	}
+	if err != nil {
+		ctx["error"] = err.Error()
+	}
+	if msg != "" {
+		kind += ". " + msg
+	}
+	b, _ := json.Marshal(ctx)
+	w.log.Error("NIXL transfer failure: " + kind + " | Context: " + string(b))
+}

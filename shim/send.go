@@ -1,0 +1,89 @@
+// The sending side (a prefill's worker): requests whose blocks are held
+// for decodes to read, counting the consumers' notifications until every
+// reader is done, and freeing what the lease let lapse.
+
+package shim
+
+import (
+	"go.uber.org/zap"
+)
+
+// pollNotifsLocked drains the engine's notifications (notif.go): a
+// heartbeat extends the leases it names that are still held; a done
+// notification counts one reader, and the request's blocks are released
+// once all its readers are done. One for a request neither held nor in the
+// batch is counted as arriving after expiry (vLLM's metric and log line).
+func (w *Worker) pollNotifsLocked() {
+	notifs, err := w.agent.GetNotifs()
+	if err != nil {
+		w.log.Warn("draining notifications failed", zap.Error(err))
+		return
+	}
+	for _, n := range notifs {
+		msg := string(n.Msg)
+		nt, ok := parseNotif(msg)
+		if !ok {
+			w.log.Warn("malformed notification", zap.String("from", n.Agent), zap.String("msg", msg))
+			continue
+		}
+		if nt.heartbeat {
+			exp := w.clock() + w.leaseExtend
+			for _, id := range nt.ids {
+				w.held.Extend(id, exp)
+			}
+			continue
+		}
+		id, want := nt.reqID, nt.consumers
+		_, sending := w.held.Deadline(id)
+		_, processing := w.toProcess[id]
+		if !sending && !processing {
+			w.stats.RecordNotifAfterExpiry()
+			w.log.Error("Potentially invalid KV blocks for unrecognized request were retrieved by a decode worker. They may have expired.",
+				zap.String("req_id", id))
+			continue
+		}
+		w.consumers[id]++
+		if w.consumers[id] >= want {
+			delete(w.consumers, id)
+			delete(w.toProcess, id)
+			w.held.Drop(id)
+			w.done.Sending = append(w.done.Sending, id)
+		}
+	}
+}
+
+// holdForReadersLocked records the step's sending-side requests: those in
+// the batch (their notifications are expected), those vLLM will not process
+// after all, and the leases of those whose blocks now wait for readers
+// (rebased from the scheduler's clock to this worker's).
+func (w *Worker) holdForReadersLocked(m *StepMeta) {
+	for _, id := range m.ReqsInBatch {
+		w.toProcess[id] = struct{}{}
+	}
+	for _, id := range m.ReqsNotProcessed {
+		delete(w.toProcess, id)
+		w.held.Drop(id)
+	}
+	now := w.clock()
+	for id, exp := range m.ReqsToSend {
+		if _, ok := w.toProcess[id]; !ok {
+			continue
+		}
+		if m.SchedulerClock != 0 {
+			exp = now + (exp - m.SchedulerClock) // rebase to this worker's clock
+		}
+		w.held.Hold(id, exp)
+	}
+}
+
+// sweepLeasesLocked frees every request whose lease has passed.
+func (w *Worker) sweepLeasesLocked() {
+	for _, id := range w.held.Expired() {
+		n := w.consumers[id]
+		delete(w.consumers, id)
+		delete(w.toProcess, id)
+		w.stats.RecordKVExpired()
+		w.log.Warn("Releasing expired KV blocks", zap.String("req_id", id), zap.Int("read_by_workers", n))
+		w.done.Sending = append(w.done.Sending, id)
+	}
+}
