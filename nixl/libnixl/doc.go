@@ -14,10 +14,28 @@
 // UCX_RCACHE_MAX_UNRELEASED=1024 (as vLLM does, against a UCX registration
 // cache leak). Every other UCX_* variable reaches UCX unchanged.
 //
+// Version. gxnixl.c declares NIXL 1.5.1's C API and nixlAgent methods, and
+// the C API has changed since, so only NIXL versions in [supportedMin,
+// supportedMax] (version.go; now 1.5.1 only) are used. The first candidate
+// that dlopens (which runs only the libraries' own initialisers) is checked
+// before anything in it is looked up or called. Its version is read from
+// the file of the libnixl_common.so that the dynamic linker loaded with it:
+// NIXL's build compiles its version there, as the string after the
+// "NIXL version: " banner it logs (no exported symbol, soname or file name
+// carries it, and a wheel's dist-info would not cover NIXL_LIB_DIR or the
+// system path). Another version, or none readable, makes Available fail
+// with ERR_NOT_SUPPORTED naming the version found and those supported.
+// Then every required C API symbol is resolved; one missing fails with
+// ERR_NOT_FOUND naming it. Either failure wraps nixl.ErrUnavailable (so
+// "auto" falls back to UCX), closes the library and ends the search, since
+// a later candidate would bind by soname to the libraries already loaded.
+// There is no override. Version and Info report the version loaded.
+//
 // Declarations. gxnixl.h/gxnixl.c hold gonixl's own declarations of the C
-// API functions it calls, resolved with dlsym. Each Go operation crosses
-// cgo once: descriptor tables ({addr, len, devId} triples, the layout of
-// nixl.Desc) and index arrays are passed whole, and the C side loops.
+// API functions it calls, resolved with dlsym (gxnixl.c's table required).
+// Each Go operation crosses cgo once: descriptor tables ({addr, len, devId}
+// triples, the layout of nixl.Desc) and index arrays are passed whole, and
+// the C side loops.
 //
 // Status codes. The C API folds most of NIXL's errors into one BACKEND
 // code. So that ERR_REMOTE_DISCONNECT, ERR_REPOST_ACTIVE and the others stay

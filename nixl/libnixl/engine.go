@@ -49,7 +49,7 @@ func (Engine) Info() string {
 	if !direct {
 		st = "the C API's (errors other than INVALID_PARAM/NOT_FOUND/NO_TELEMETRY reported as BACKEND)"
 	}
-	return fmt.Sprintf("NIXL via %s; NIXL_PLUGIN_DIR=%s; transfer statuses: %s", loadedLib, pluginDir, st)
+	return fmt.Sprintf("NIXL %s via %s; NIXL_PLUGIN_DIR=%s; transfer statuses: %s", version, loadedLib, pluginDir, st)
 }
 
 // numThreadsKey is the backend parameter NIXL's Python API sets from

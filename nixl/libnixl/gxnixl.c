@@ -1,9 +1,16 @@
 // See gxnixl.h. The declarations below are gonixl's own, written from the
-// documented C API of NIXL's Rust bindings (libnixl_capi.so): handles are
-// opaque pointers, every function returns a status.
+// documented C API of NIXL's Rust bindings (libnixl_capi.so) as NIXL 1.5.1
+// ships it: handles are opaque pointers, every function returns a status.
+// They hold for the versions load.go accepts and for no other: the C API
+// has changed since (listen_port's type, the descriptor-list constructors,
+// status codes), so load.go checks the version before anything is resolved.
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE // dlinfo
+#endif
 #include "gxnixl.h"
 
 #include <dlfcn.h>
+#include <link.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -126,24 +133,63 @@ static int capi_to_nixl(int s) {
 	return NX_UNKNOWN;
 }
 
-#define SYM(field, name)                                                          \
-	do {                                                                      \
-		dlerror();                                                        \
-		*(void **)(&api.field) = dlsym(api.lib, name);                    \
-		if (!api.field) {                                                 \
-			const char *e = dlerror();                                \
-			snprintf(err, errlen, "%s: %s", name, e ? e : "not found"); \
-			goto fail;                                                \
-		}                                                                 \
-	} while (0)
+// Every C API function gonixl calls. All are resolved, once the version is
+// accepted, before the first call; one missing refuses the library.
+#define REQ(field, name) {(void **)&api.field, name}
+static const struct {
+	void **slot;
+	const char *name;
+} required[] = {
+	REQ(create_configured_agent, "nixl_capi_create_configured_agent"),
+	REQ(destroy_agent, "nixl_capi_destroy_agent"),
+	REQ(get_available_plugins, "nixl_capi_get_available_plugins"),
+	REQ(string_list_size, "nixl_capi_string_list_size"),
+	REQ(string_list_get, "nixl_capi_string_list_get"),
+	REQ(destroy_string_list, "nixl_capi_destroy_string_list"),
+	REQ(create_params, "nixl_capi_create_params"),
+	REQ(params_add, "nixl_capi_params_add"),
+	REQ(destroy_params, "nixl_capi_destroy_params"),
+	REQ(create_backend, "nixl_capi_create_backend"),
+	REQ(destroy_backend, "nixl_capi_destroy_backend"),
+	REQ(create_reg_dlist, "nixl_capi_create_reg_dlist"),
+	REQ(reg_dlist_add_desc, "nixl_capi_reg_dlist_add_desc"),
+	REQ(destroy_reg_dlist, "nixl_capi_destroy_reg_dlist"),
+	REQ(register_mem, "nixl_capi_register_mem"),
+	REQ(deregister_mem, "nixl_capi_deregister_mem"),
+	REQ(get_local_md, "nixl_capi_get_local_md"),
+	REQ(load_remote_md, "nixl_capi_load_remote_md"),
+	REQ(invalidate_remote_md, "nixl_capi_invalidate_remote_md"),
+	REQ(create_xfer_dlist, "nixl_capi_create_xfer_dlist"),
+	REQ(xfer_dlist_add_desc, "nixl_capi_xfer_dlist_add_desc"),
+	REQ(destroy_xfer_dlist, "nixl_capi_destroy_xfer_dlist"),
+	REQ(prep_xfer_dlist, "nixl_capi_prep_xfer_dlist"),
+	REQ(release_xfer_dlist_handle, "nixl_capi_release_xfer_dlist_handle"),
+	REQ(create_opt_args, "nixl_capi_create_opt_args"),
+	REQ(opt_args_set_notif_msg, "nixl_capi_opt_args_set_notif_msg"),
+	REQ(opt_args_set_has_notif, "nixl_capi_opt_args_set_has_notif"),
+	REQ(destroy_opt_args, "nixl_capi_destroy_opt_args"),
+	REQ(make_xfer_req, "nixl_capi_make_xfer_req"),
+	REQ(post_xfer_req, "nixl_capi_post_xfer_req"),
+	REQ(get_xfer_status, "nixl_capi_get_xfer_status"),
+	REQ(get_xfer_telemetry, "nixl_capi_get_xfer_telemetry"),
+	REQ(release_xfer_req, "nixl_capi_release_xfer_req"),
+	REQ(destroy_xfer_req, "nixl_capi_destroy_xfer_req"),
+	REQ(gen_notif, "nixl_capi_gen_notif"),
+	REQ(create_notif_map, "nixl_capi_create_notif_map"),
+	REQ(destroy_notif_map, "nixl_capi_destroy_notif_map"),
+	REQ(get_notifs, "nixl_capi_get_notifs"),
+	REQ(notif_map_size, "nixl_capi_notif_map_size"),
+	REQ(notif_map_get_agent_at, "nixl_capi_notif_map_get_agent_at"),
+	REQ(notif_map_get_notifs_size, "nixl_capi_notif_map_get_notifs_size"),
+	REQ(notif_map_get_notif, "nixl_capi_notif_map_get_notif"),
+	REQ(notif_map_clear, "nixl_capi_notif_map_clear"),
+};
+#define NREQ (sizeof required / sizeof required[0])
 
-#define OPT(field, name)                                           \
-	do {                                                       \
-		dlerror();                                         \
-		*(void **)(&api.field) = dlsym(api.lib, name);     \
-	} while (0)
+size_t gxnixl_required_count(void) { return NREQ; }
+const char *gxnixl_required_name(size_t i) { return i < NREQ ? required[i].name : NULL; }
 
-int gxnixl_load(const char *path, char *err, size_t errlen) {
+int gxnixl_open(const char *path, char *err, size_t errlen) {
 	if (api.lib) return 0;
 	dlerror();
 	api.lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -152,66 +198,66 @@ int gxnixl_load(const char *path, char *err, size_t errlen) {
 		snprintf(err, errlen, "%s", e ? e : "dlopen failed");
 		return -1;
 	}
-	SYM(create_configured_agent, "nixl_capi_create_configured_agent");
-	SYM(destroy_agent, "nixl_capi_destroy_agent");
-	SYM(get_available_plugins, "nixl_capi_get_available_plugins");
-	SYM(string_list_size, "nixl_capi_string_list_size");
-	SYM(string_list_get, "nixl_capi_string_list_get");
-	SYM(destroy_string_list, "nixl_capi_destroy_string_list");
-	SYM(create_params, "nixl_capi_create_params");
-	SYM(params_add, "nixl_capi_params_add");
-	SYM(destroy_params, "nixl_capi_destroy_params");
-	SYM(create_backend, "nixl_capi_create_backend");
-	SYM(destroy_backend, "nixl_capi_destroy_backend");
-	SYM(create_reg_dlist, "nixl_capi_create_reg_dlist");
-	SYM(reg_dlist_add_desc, "nixl_capi_reg_dlist_add_desc");
-	SYM(destroy_reg_dlist, "nixl_capi_destroy_reg_dlist");
-	SYM(register_mem, "nixl_capi_register_mem");
-	SYM(deregister_mem, "nixl_capi_deregister_mem");
-	SYM(get_local_md, "nixl_capi_get_local_md");
-	SYM(load_remote_md, "nixl_capi_load_remote_md");
-	SYM(invalidate_remote_md, "nixl_capi_invalidate_remote_md");
-	SYM(create_xfer_dlist, "nixl_capi_create_xfer_dlist");
-	SYM(xfer_dlist_add_desc, "nixl_capi_xfer_dlist_add_desc");
-	SYM(destroy_xfer_dlist, "nixl_capi_destroy_xfer_dlist");
-	SYM(prep_xfer_dlist, "nixl_capi_prep_xfer_dlist");
-	SYM(release_xfer_dlist_handle, "nixl_capi_release_xfer_dlist_handle");
-	SYM(create_opt_args, "nixl_capi_create_opt_args");
-	SYM(opt_args_set_notif_msg, "nixl_capi_opt_args_set_notif_msg");
-	SYM(opt_args_set_has_notif, "nixl_capi_opt_args_set_has_notif");
-	SYM(destroy_opt_args, "nixl_capi_destroy_opt_args");
-	SYM(make_xfer_req, "nixl_capi_make_xfer_req");
-	SYM(post_xfer_req, "nixl_capi_post_xfer_req");
-	SYM(get_xfer_status, "nixl_capi_get_xfer_status");
-	SYM(get_xfer_telemetry, "nixl_capi_get_xfer_telemetry");
-	SYM(release_xfer_req, "nixl_capi_release_xfer_req");
-	SYM(destroy_xfer_req, "nixl_capi_destroy_xfer_req");
-	SYM(gen_notif, "nixl_capi_gen_notif");
-	SYM(create_notif_map, "nixl_capi_create_notif_map");
-	SYM(destroy_notif_map, "nixl_capi_destroy_notif_map");
-	SYM(get_notifs, "nixl_capi_get_notifs");
-	SYM(notif_map_size, "nixl_capi_notif_map_size");
-	SYM(notif_map_get_agent_at, "nixl_capi_notif_map_get_agent_at");
-	SYM(notif_map_get_notifs_size, "nixl_capi_notif_map_get_notifs_size");
-	SYM(notif_map_get_notif, "nixl_capi_notif_map_get_notif");
-	SYM(notif_map_clear, "nixl_capi_notif_map_clear");
+	return 0;
+}
+
+int gxnixl_loaded_file(const char *soname, char *out, size_t outlen) {
+	void *h = api.lib;
+	struct link_map *lm = NULL;
+	int rc = -1;
+	if (!h) return -1;
+	if (soname) {
+		// Already loaded (as a dependency of api.lib, by soname): this finds
+		// that object and loads nothing.
+		h = dlopen(soname, RTLD_LAZY | RTLD_NOLOAD);
+		if (!h) return -1;
+	}
+	if (dlinfo(h, RTLD_DI_LINKMAP, &lm) == 0 && lm && lm->l_name && lm->l_name[0]) {
+		snprintf(out, outlen, "%s", lm->l_name);
+		rc = 0;
+	}
+	if (soname) dlclose(h);
+	return rc;
+}
+
+void gxnixl_close(void) {
+	if (api.lib) dlclose(api.lib);
+	memset(&api, 0, sizeof api);
+}
+
+int gxnixl_resolve(char *missing, size_t mlen, char *err, size_t errlen) {
+	if (!api.lib) {
+		snprintf(missing, mlen, "%s", "");
+		snprintf(err, errlen, "%s", "library not open");
+		return -1;
+	}
+	for (size_t i = 0; i < NREQ; i++) {
+		dlerror();
+		*required[i].slot = dlsym(api.lib, required[i].name);
+		if (!*required[i].slot) {
+			const char *e = dlerror();
+			snprintf(missing, mlen, "%s", required[i].name);
+			snprintf(err, errlen, "%s", e ? e : "resolved to NULL");
+			for (size_t j = 0; j < NREQ; j++) *required[j].slot = NULL;
+			return -1;
+		}
+	}
 	// nixlAgent::postXferReq(nixlXferReqH*, nixlAgentOptionalArgs const*) const,
 	// nixlAgent::getXferStatus(nixlXferReqH*) const and
 	// nixlAgent::releaseXferReq(nixlXferReqH*) const, found through the C
-	// API library's dependency libnixl.so.
-	OPT(agent_post, "_ZNK9nixlAgent11postXferReqEP12nixlXferReqHPK21nixlAgentOptionalArgs");
-	OPT(agent_status, "_ZNK9nixlAgent13getXferStatusEP12nixlXferReqH");
-	OPT(agent_release, "_ZNK9nixlAgent14releaseXferReqEP12nixlXferReqH");
+	// API library's dependency libnixl.so. Optional: without all three the
+	// C API's own post/status/release are used.
+	*(void **)(&api.agent_post) =
+		dlsym(api.lib, "_ZNK9nixlAgent11postXferReqEP12nixlXferReqHPK21nixlAgentOptionalArgs");
+	*(void **)(&api.agent_status) = dlsym(api.lib, "_ZNK9nixlAgent13getXferStatusEP12nixlXferReqH");
+	*(void **)(&api.agent_release) = dlsym(api.lib, "_ZNK9nixlAgent14releaseXferReqEP12nixlXferReqH");
+	dlerror();
 	if (!api.agent_post || !api.agent_status || !api.agent_release) {
 		api.agent_post = NULL;
 		api.agent_status = NULL;
 		api.agent_release = NULL;
 	}
 	return 0;
-fail:
-	dlclose(api.lib);
-	api.lib = NULL;
-	return -1;
 }
 
 int gxnixl_have_direct_status(void) { return api.agent_post != NULL; }

@@ -10,9 +10,29 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Load libnixl_capi.so from path and resolve every symbol gonixl needs.
-// On failure returns -1 and writes a message (dlerror text) into err.
-int gxnixl_load(const char *path, char *err, size_t errlen);
+// Loading happens in three steps so that the version can be checked before
+// anything of the library is resolved or called: gxnixl_open, then (in Go)
+// the version check on the files gxnixl_loaded_file names, then
+// gxnixl_resolve; gxnixl_close undoes gxnixl_open after a refusal.
+//
+// dlopen libnixl_capi.so from path (its dependencies come with it; only the
+// libraries' own initialisers run). On failure returns -1 and writes the
+// dlerror text into err.
+int gxnixl_open(const char *path, char *err, size_t errlen);
+// The file the dynamic linker mapped for soname, an object already loaded
+// (with the opened library, as its dependency); soname NULL: the opened
+// library itself. Returns -1 when there is none.
+int gxnixl_loaded_file(const char *soname, char *out, size_t outlen);
+// Resolve every C API symbol gonixl needs (and, optionally, nixlAgent's
+// post/status/release). On failure returns -1, writes the first missing
+// symbol's name into missing and the dlerror text into err, and leaves
+// nothing resolved.
+int gxnixl_resolve(char *missing, size_t mlen, char *err, size_t errlen);
+// dlclose the opened library and forget every resolved symbol.
+void gxnixl_close(void);
+// The required C API symbols, by index (NULL past the end).
+size_t gxnixl_required_count(void);
+const char *gxnixl_required_name(size_t i);
 // 1 when NIXL's agent methods for post/status/release were found, so their
 // statuses come back unmapped (the C API folds most errors into BACKEND).
 int gxnixl_have_direct_status(void);

@@ -30,7 +30,8 @@ var (
 	loadErr   error
 	loadedLib string // path given to dlopen
 	pluginDir string
-	direct    bool // nixlAgent methods found: unmapped statuses
+	direct    bool   // nixlAgent methods found: unmapped statuses
+	version   string // NIXL version of the loaded library
 )
 
 // candidates lists the libnixl_capi.so paths to try, most specific first.
@@ -82,7 +83,13 @@ func candidates() []string {
 	return append(out, capiName)
 }
 
-// load finds and dlopens the C API once per process.
+// load finds and dlopens the C API once per process. Candidates that do
+// not open are passed over. The first that opens is the process's NIXL:
+// its version is checked before any symbol is resolved, then every symbol
+// gonixl needs is resolved; if either fails the library is closed and NIXL
+// is unavailable. No further candidate is tried then, since its
+// dependencies would bind by soname to the libraries already loaded (for
+// libnixl.so, which cannot be unloaded, for the rest of the process).
 func load() error {
 	loadOnce.Do(func() {
 		var errs []string
@@ -90,19 +97,87 @@ func load() error {
 			undo := prepareEnv(p)
 			cp := C.CString(p)
 			var buf [1024]C.char
-			rc := C.gxnixl_load(cp, &buf[0], C.size_t(len(buf)))
+			rc := C.gxnixl_open(cp, &buf[0], C.size_t(len(buf)))
 			C.free(unsafe.Pointer(cp))
-			if rc == 0 {
-				loadedLib = p
-				direct = C.gxnixl_have_direct_status() != 0
+			if rc != 0 {
+				undo()
+				errs = append(errs, C.GoString(&buf[0]))
+				continue
+			}
+			if err := admit(p); err != nil {
+				C.gxnixl_close()
+				undo()
+				loadErr = fmt.Errorf("%w: NIXL not available: %w", nixl.ErrUnavailable, err)
 				return
 			}
-			undo()
-			errs = append(errs, C.GoString(&buf[0]))
+			loadedLib = p
+			direct = C.gxnixl_have_direct_status() != 0
+			return
 		}
 		loadErr = fmt.Errorf("%w: NIXL not available: %s", nixl.ErrUnavailable, strings.Join(errs, "; "))
 	})
 	return loadErr
+}
+
+// admit checks the opened library's NIXL version against the supported
+// range, then resolves every symbol. Until the version is accepted nothing
+// of the library is looked up or called: its version is read from the
+// file of the libnixl_common.so that the dynamic linker loaded with it.
+func admit(p string) error {
+	capi := loadedFile("")
+	if capi == "" {
+		capi = p
+	}
+	common := loadedFile(versionLib)
+	if common == "" {
+		return nixl.Errorf(nixl.ErrNotSupported, "Load",
+			"cannot tell which NIXL %s is: it did not load %s, which carries the version; gonixl supports %s",
+			capi, versionLib, supportedText())
+	}
+	v, err := libraryVersion(common)
+	if err != nil {
+		return nixl.Errorf(nixl.ErrNotSupported, "Load",
+			"cannot tell which NIXL %s is: no version in %s (%v); gonixl supports %s",
+			capi, common, err, supportedText())
+	}
+	if !supportedVersion(v) {
+		return nixl.Errorf(nixl.ErrNotSupported, "Load",
+			"%s is NIXL %s (version from %s); gonixl supports %s and does not call into another version's C API",
+			capi, v, common, supportedText())
+	}
+	var missing, msg [512]C.char
+	if C.gxnixl_resolve(&missing[0], C.size_t(len(missing)), &msg[0], C.size_t(len(msg))) != 0 {
+		return nixl.Errorf(nixl.ErrNotFound, "Load",
+			"%s (NIXL %s) lacks symbol %s, which gonixl needs: %s",
+			capi, v, C.GoString(&missing[0]), C.GoString(&msg[0]))
+	}
+	version = v
+	return nil
+}
+
+// loadedFile returns the file of the loaded object soname ("": the opened
+// C API library), or "".
+func loadedFile(soname string) string {
+	var cs *C.char
+	if soname != "" {
+		cs = C.CString(soname)
+		defer C.free(unsafe.Pointer(cs))
+	}
+	var buf [4096]C.char
+	if C.gxnixl_loaded_file(cs, &buf[0], C.size_t(len(buf))) != 0 {
+		return ""
+	}
+	return filepath.Clean(C.GoString(&buf[0]))
+}
+
+// requiredSymbols lists the C API symbols that must all resolve.
+func requiredSymbols() []string {
+	n := int(C.gxnixl_required_count())
+	out := make([]string, 0, n)
+	for i := 0; i < n; i++ {
+		out = append(out, C.GoString(C.gxnixl_required_name(C.size_t(i))))
+	}
+	return out
 }
 
 // prepareEnv sets what NIXL and UCX read at initialisation, unless the user
@@ -141,3 +216,15 @@ func LibraryPath() string {
 	}
 	return loadedLib
 }
+
+// Version returns the NIXL version of the loaded library, or "" when none
+// loaded.
+func Version() string {
+	if load() != nil {
+		return ""
+	}
+	return version
+}
+
+// SupportedVersions names the NIXL versions this binding loads.
+func SupportedVersions() string { return supportedText() }
