@@ -8,11 +8,9 @@ import "C"
 
 import (
 	"encoding/json"
-	"errors"
 	"os"
 	"unsafe"
 
-	"github.com/gonixl/gonixl/nixl"
 	_ "github.com/gonixl/gonixl/nixl/libnixl" // registers the "nixl" engine
 	_ "github.com/gonixl/gonixl/nixl/ucx"     // registers the "ucx" engine
 	"github.com/gonixl/gonixl/shim"
@@ -46,7 +44,7 @@ func parseConfig(p *C.char, n C.size_t) (*shim.Config, error) {
 	}
 	cfg, err := shim.ParseConfig(data)
 	if err != nil {
-		return nil, errorf(statusInvalidArg, "%v", err)
+		return nil, err
 	}
 	return cfg, nil
 }
@@ -106,7 +104,7 @@ func params(p *C.char, n C.size_t) (*shim.TransferParams, error) {
 	}
 	tp, err := shim.ParseTransferParams(b)
 	if err != nil {
-		return nil, errorf(statusInvalidArg, "%v", err)
+		return nil, err
 	}
 	return tp, nil
 }
@@ -150,7 +148,7 @@ func newHandle(cfgJSON *C.char, cfgLen C.size_t, kind handleKind, build func(*sh
 	}
 	obj, err := build(cfg)
 	if err != nil {
-		return 0, errorf(statusInvalidArg, "%v", err)
+		return 0, err
 	}
 	return handles.add(kind, obj), nil
 }
@@ -234,7 +232,7 @@ func gonixl_scheduler_update_state_after_alloc(h C.gonixl_scheduler_t, reqID *C.
 		}
 		mutated, err := s.UpdateStateAfterAlloc(id, p, blocks, comp, int64(numExternal))
 		if err != nil {
-			return errorf(statusInvalidArg, "%v", err)
+			return err
 		}
 		if mutated {
 			*outMutated = 1
@@ -325,7 +323,7 @@ func gonixl_scheduler_set_handshake_payload(h C.gonixl_scheduler_t, pp, tp C.int
 			return err
 		}
 		if err := s.SetHandshakePayload(int(pp), int(tp), b); err != nil {
-			return errorf(statusInvalidArg, "%v", err)
+			return err
 		}
 		return nil
 	})
@@ -368,10 +366,7 @@ func gonixl_worker_register_kv_caches(h C.gonixl_worker_t, j *C.char, n C.size_t
 			return errorf(statusInvalidArg, "init_json: %v", err)
 		}
 		if err := w.RegisterKVCaches(&init); err != nil {
-			if errors.Is(err, nixl.ErrUnavailable) {
-				return errorf(statusUnavailable, "%v", err)
-			}
-			return errorf(statusInvalidArg, "%v", err)
+			return err
 		}
 		return nil
 	})
@@ -382,7 +377,7 @@ func gonixl_worker_handshake_payload(h C.gonixl_worker_t, buf *C.char, lenp *C.s
 	return onWorker(h, cerr, func(w *shim.Worker) error {
 		b, err := w.HandshakePayload()
 		if err != nil {
-			return errorf(statusState, "%v", err)
+			return err
 		}
 		return writeOut(buf, lenp, b)
 	})
@@ -396,7 +391,7 @@ func gonixl_worker_start_load_kv(h C.gonixl_worker_t, meta *C.char, n C.size_t, 
 			return err
 		}
 		if err := w.StartLoadKV(b); err != nil {
-			return errorf(statusInvalidArg, "%v", err)
+			return err
 		}
 		return nil
 	})

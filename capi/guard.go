@@ -13,6 +13,9 @@ import (
 	"runtime/debug"
 	"sync/atomic"
 	"unsafe"
+
+	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/shim"
 )
 
 // Status codes, mirrored from include/gonixl.h (tests/abi_check.py keeps the
@@ -52,7 +55,10 @@ func errorf(status int32, format string, args ...any) error {
 	return &callError{status: status, msg: fmt.Sprintf(format, args...)}
 }
 
-// statusOf maps an error to a status code; unknown errors are internal.
+// statusOf maps an error to its status code, the one place that does: the
+// C boundary's own argument errors (callError, handleError) carry theirs;
+// shim errors carry a class (shim.ErrInvalidInput, ...); transfer-engine
+// errors carry a NIXL status. Anything else is a bug: internal.
 func statusOf(err error) int32 {
 	var ce *callError
 	if errors.As(err, &ce) {
@@ -61,6 +67,29 @@ func statusOf(err error) int32 {
 	var he *handleError
 	if errors.As(err, &he) {
 		return he.status
+	}
+	switch {
+	case errors.Is(err, shim.ErrInvalidInput):
+		return statusInvalidArg
+	case errors.Is(err, shim.ErrState):
+		return statusState
+	case errors.Is(err, shim.ErrNotSupported):
+		return statusNotSupported
+	case errors.Is(err, nixl.ErrUnavailable):
+		return statusUnavailable
+	}
+	var ne *nixl.Error
+	if errors.As(err, &ne) {
+		switch ne.Status {
+		case nixl.ErrInvalidParam:
+			return statusInvalidArg
+		case nixl.ErrNotSupported:
+			return statusNotSupported
+		default:
+			// The engine failed to do what was asked (register,
+			// connect, transfer).
+			return statusTransfer
+		}
 	}
 	return statusInternal
 }

@@ -44,7 +44,7 @@ extern "C" {
 /* Status codes. Append-only: never renumber. */
 typedef int32_t gonixl_status_t;
 #define GONIXL_OK 0
-#define GONIXL_IN_PROGRESS 1
+#define GONIXL_IN_PROGRESS 1            /* reserved: no call returns it today */
 #define GONIXL_ERR_INTERNAL (-1)         /* a bug; a recovered panic poisons the library */
 #define GONIXL_ERR_INVALID_ARGUMENT (-2) /* malformed input: bad JSON, bad value, bad length */
 #define GONIXL_ERR_NULL_POINTER (-3)     /* a required pointer argument was NULL */
@@ -54,8 +54,8 @@ typedef int32_t gonixl_status_t;
 #define GONIXL_ERR_POISONED (-7)         /* an earlier call panicked */
 #define GONIXL_ERR_UNAVAILABLE (-8)      /* a native dependency (NIXL, UCX) cannot be loaded */
 #define GONIXL_ERR_NOT_SUPPORTED (-9)    /* valid request the library does not do */
-#define GONIXL_ERR_TRANSFER (-10)        /* a transfer or handshake failed */
-#define GONIXL_ERR_TIMEOUT (-11)         /* a deadline passed */
+#define GONIXL_ERR_TRANSFER (-10)        /* the transfer engine failed (registration, connection, transfer) */
+#define GONIXL_ERR_TIMEOUT (-11)         /* reserved: deadlines fail requests, not calls */
 #define GONIXL_ERR_STATE (-12)           /* call not valid in the object's current state */
 
 #define GONIXL_ERROR_MESSAGE_SIZE 512

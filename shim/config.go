@@ -77,7 +77,8 @@ type Config struct {
 
 // ParseConfig decodes and validates a JSON configuration, applying vLLM's
 // defaults for every key that is absent.
-func ParseConfig(data []byte) (*Config, error) {
+func ParseConfig(data []byte) (_ *Config, err error) {
+	defer classify(&err, ErrInvalidInput)
 	c := &Config{}
 	dec := json.NewDecoder(strings.NewReader(string(data)))
 	dec.UseNumber()

@@ -80,7 +80,8 @@ func (p *TransferParams) HasHeartbeatTarget() bool {
 // ParseTransferParams decodes kv_transfer_params JSON. A null or empty
 // input is (nil, nil): the request has no transfer. Wrong types are errors
 // naming the key.
-func ParseTransferParams(data []byte) (*TransferParams, error) {
+func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
+	defer classify(&err, ErrInvalidInput)
 	if len(data) == 0 || string(data) == "null" {
 		return nil, nil
 	}
@@ -92,7 +93,6 @@ func ParseTransferParams(data []byte) (*TransferParams, error) {
 		return nil, nil
 	}
 	p := &TransferParams{raw: raw, TPSize: 1, DCPSize: 1, PPSize: 1}
-	var err error
 	if p.DoRemotePrefill, _, err = getBool(raw, "do_remote_prefill"); err != nil {
 		return nil, err
 	}

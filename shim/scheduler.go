@@ -44,7 +44,8 @@ type hbTarget struct {
 
 // NewScheduler validates cfg and creates the scheduler side. clock may be
 // nil (monotonic clock).
-func NewScheduler(cfg *Config, clock Clock) (*Scheduler, error) {
+func NewScheduler(cfg *Config, clock Clock) (_ *Scheduler, err error) {
+	defer classify(&err, ErrInvalidInput) // a side-channel address that cannot be bound is the configuration's
 	if cfg.Role != RoleScheduler {
 		return nil, errRole(cfg.Role, RoleScheduler)
 	}
@@ -167,7 +168,8 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 // external tokens are loaded. It returns true when the caller must mirror
 // vLLM's parameter update (do_remote_prefill=False,
 // _remote_blocks_processed=True) on the request's kv_transfer_params.
-func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, localBlocks BlockIDs, localNumComputed []int64, numExternal int64) (bool, error) {
+func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, localBlocks BlockIDs, localNumComputed []int64, numExternal int64) (_ bool, err error) {
+	defer classify(&err, ErrInvalidInput)
 	if p == nil {
 		return false, nil
 	}
@@ -269,7 +271,8 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 // request's output (JSON, nil for none). finishedNormally is true for
 // FINISHED_LENGTH_CAPPED and FINISHED_STOPPED. numComputedTokens is the
 // request's num_computed_tokens. blockIDs are the request's blocks per group.
-func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNormally bool, numComputedTokens int64, blockIDs BlockIDs) (bool, []byte, error) {
+func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNormally bool, numComputedTokens int64, blockIDs BlockIDs) (_ bool, _ []byte, err error) {
+	defer classify(&err, ErrInvalidInput)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if p == nil {
@@ -370,7 +373,8 @@ func (s *Scheduler) UpdateConnectorOutput(finishedRecving []string) {
 
 // SetHandshakePayload serves a worker's encoded NixlHandshakePayload for
 // (pp, tp) on the side channel, starting the listener on first use.
-func (s *Scheduler) SetHandshakePayload(pp, tp int, payload []byte) error {
+func (s *Scheduler) SetHandshakePayload(pp, tp int, payload []byte) (err error) {
+	defer classify(&err, ErrInvalidInput)
 	if _, err := sidechannel.DecodeHandshakePayload(payload); err != nil {
 		return fmt.Errorf("handshake payload for pp_rank=%d tp_rank=%d: %w", pp, tp, err)
 	}

@@ -88,7 +88,8 @@ type Worker struct {
 // NewWorker validates cfg and creates the worker side. clock may be nil.
 // The transfer agent is created by RegisterKVCaches, when the memory type
 // is known.
-func NewWorker(cfg *Config, clock Clock) (*Worker, error) {
+func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
+	defer classify(&err, ErrInvalidInput)
 	if cfg.Role != RoleWorker {
 		return nil, errRole(cfg.Role, RoleWorker)
 	}
@@ -139,17 +140,17 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.closed {
-		return errors.New("worker is closed")
+		return withClass(ErrState, errors.New("worker is closed"))
 	}
 	if w.agent != nil {
-		return errors.New("register_kv_caches called twice")
+		return withClass(ErrState, errors.New("register_kv_caches called twice"))
 	}
 	layout, err := BuildLayout(init.Layers, init.NumBlocks)
 	if err != nil {
-		return err
+		return withClass(ErrInvalidInput, err)
 	}
 	if err := w.checkKVPlacement(layout, init); err != nil {
-		return err
+		return withClass(ErrInvalidInput, err)
 	}
 	eng, why := w.engineOverride, "injected"
 	if eng == nil {
@@ -215,7 +216,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 
 	env, err := sidechannel.FromEnv(os.Getenv)
 	if err != nil {
-		return err
+		return withClass(ErrInvalidInput, err)
 	}
 	w.hs = sidechannel.NewClient(sidechannel.ClientConfig{
 		CompatHash:          hash,
@@ -251,7 +252,7 @@ func (w *Worker) HandshakePayload() ([]byte, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.payload == nil {
-		return nil, errors.New("no handshake payload before register_kv_caches")
+		return nil, withClass(ErrState, errors.New("no handshake payload before register_kv_caches"))
 	}
 	return w.payload, nil
 }
@@ -262,13 +263,13 @@ func (w *Worker) HandshakePayload() ([]byte, error) {
 func (w *Worker) StartLoadKV(metaBytes []byte) error {
 	m, err := DecodeStepMeta(metaBytes)
 	if err != nil {
-		return err
+		return withClass(ErrInvalidInput, err)
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.agent == nil {
 		if len(m.ReqsToRecv) > 0 {
-			return errors.New("start_load_kv before register_kv_caches")
+			return withClass(ErrState, errors.New("start_load_kv before register_kv_caches"))
 		}
 		return nil
 	}
