@@ -43,8 +43,8 @@ var (
 var rules = []rule{
 	{prefix: "capi", internal: []string{"shim", "nixl", "nixl/..."}, cgo: true, unsafe: true},
 	{prefix: "shim", internal: []string{"nixl", "sidechannel"}, external: concat(logging, metrics, []string{"github.com/vmihailenco/msgpack/v5"})},
-	{prefix: "nixl/libnixl", internal: []string{"nixl"}, cgo: true, unsafe: true},
-	{prefix: "nixl/ucx", internal: []string{"nixl"}, cgo: true, unsafe: true},
+	{prefix: "nixl/libnixl", internal: []string{"nixl", "nixl/internal/native"}, cgo: true, unsafe: true},
+	{prefix: "nixl/ucx", internal: []string{"nixl", "nixl/internal/native"}, cgo: true, unsafe: true},
 	{prefix: "nixl/nixltest", internal: []string{"nixl"}, unsafe: true},
 	{prefix: "nixl/internal/", internal: []string{"nixl", "nixl/internal/..."}, unsafe: true},
 	{prefix: "nixl", internal: nil},

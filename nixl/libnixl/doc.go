@@ -6,13 +6,15 @@
 // that contains this package loads on hosts without NIXL; Engine.Available
 // then reports "NIXL not available: <dlerror text>". The library is looked
 // for, in order, in $NIXL_LIB_DIR, in the nixl wheel's lib directory
-// (.nixl_cu12.mesonpy.libs, then .nixl_cu13.mesonpy.libs) under the
-// site-packages of $VIRTUAL_ENV and of any .venv found walking up from the
-// working directory and from the executable, and finally by plain soname
-// (the system search path). Before the first dlopen it sets, unless already
-// set, NIXL_PLUGIN_DIR to the wheel's plugins directory and
-// UCX_RCACHE_MAX_UNRELEASED=1024 (as vLLM does, against a UCX registration
-// cache leak). Every other UCX_* variable reaches UCX unchanged.
+// (.nixl_cu12.mesonpy.libs, then .nixl_cu13.mesonpy.libs) under every
+// site-packages directory native.SitePackages finds ($VIRTUAL_ENV's, those
+// of objects mapped into the process, those of .venv directories above the
+// working directory and the executable), and finally by plain soname (the
+// system search path). Before the first dlopen it sets, unless already set,
+// NIXL_PLUGIN_DIR to the wheel's plugins directory and the UCX defaults of
+// native.SetUCXDefaults (UCX_RCACHE_MAX_UNRELEASED=1024 as vLLM does, and
+// UCX's own signal handlers off). Every other UCX_* variable reaches UCX
+// unchanged.
 //
 // Version. gxnixl.c declares NIXL 1.5.1's C API and nixlAgent methods, and
 // the C API has changed since, so only NIXL versions in [supportedMin,

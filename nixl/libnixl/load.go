@@ -11,12 +11,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 	"sync"
 	"unsafe"
 
 	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/nixl/internal/native"
 )
 
 const capiName = "libnixl_capi.so"
@@ -36,49 +36,14 @@ var (
 
 // candidates lists the libnixl_capi.so paths to try, most specific first.
 func candidates() []string {
-	var out []string
 	if d := os.Getenv("NIXL_LIB_DIR"); d != "" {
 		return []string{filepath.Join(d, capiName)}
 	}
-	var sites []string
-	addVenv := func(venv string) {
-		m, _ := filepath.Glob(filepath.Join(venv, "lib", "python3*", "site-packages"))
-		sort.Sort(sort.Reverse(sort.StringSlice(m)))
-		sites = append(sites, m...)
+	var rels []string
+	for _, w := range wheelLibDirs {
+		rels = append(rels, filepath.Join(w, capiName))
 	}
-	if v := os.Getenv("VIRTUAL_ENV"); v != "" {
-		addVenv(v)
-	}
-	var starts []string
-	if wd, err := os.Getwd(); err == nil {
-		starts = append(starts, wd)
-	}
-	if exe, err := os.Executable(); err == nil {
-		starts = append(starts, filepath.Dir(exe))
-	}
-	for _, s := range starts {
-		for d := s; ; d = filepath.Dir(d) {
-			if fi, err := os.Stat(filepath.Join(d, ".venv")); err == nil && fi.IsDir() {
-				addVenv(filepath.Join(d, ".venv"))
-			}
-			if filepath.Dir(d) == d {
-				break
-			}
-		}
-	}
-	seen := map[string]bool{}
-	for _, site := range sites {
-		for _, w := range wheelLibDirs {
-			p := filepath.Join(site, w, capiName)
-			if seen[p] {
-				continue
-			}
-			seen[p] = true
-			if _, err := os.Stat(p); err == nil {
-				out = append(out, p)
-			}
-		}
-	}
+	out := native.Find(rels...)
 	// Last resort: the dynamic linker's search path.
 	return append(out, capiName)
 }
@@ -196,14 +161,9 @@ func prepareEnv(lib string) (undo func()) {
 		}
 	}
 	pluginDir = os.Getenv("NIXL_PLUGIN_DIR")
-	if _, ok := os.LookupEnv("UCX_RCACHE_MAX_UNRELEASED"); !ok {
-		_ = os.Setenv("UCX_RCACHE_MAX_UNRELEASED", "1024")
-		set = append(set, "UCX_RCACHE_MAX_UNRELEASED")
-	}
+	set = append(set, native.SetUCXDefaults()...)
 	return func() {
-		for _, k := range set {
-			_ = os.Unsetenv(k)
-		}
+		native.Unset(set)
 		pluginDir = ""
 	}
 }

@@ -556,7 +556,7 @@ func TestStatusMapping(t *testing.T) {
 
 // Loading UCX must leave the Go runtime's SIGSEGV handling in place: a nil
 // dereference is still a recoverable panic (UCX's own error handlers would
-// abort the process instead; see ucsSignalDefaults).
+// abort the process instead; see native.SetUCXDefaults).
 func TestGoPanicRecoverableAfterUCX(t *testing.T) {
 	if v, set := os.LookupEnv("UCX_HANDLE_ERRORS"); set && v != "none" {
 		t.Skipf("UCX_HANDLE_ERRORS=%q set by the user: UCX's signal handlers are wanted", v)

@@ -9,8 +9,10 @@
 // linked, so libgonixl.so loads on hosts without UCX and reports why the
 // engine is unavailable. Search order: $GONIXL_UCX_LIB alone when set; else
 // libucx/lib/libucp.so.0 from a libucx-cu12/-cu13 wheel in a Python
-// site-packages directory (under $VIRTUAL_ENV or mapped into the process);
-// else the system's libucp.so.0 (Debian: libucx0). UCX 1.13 or newer is
+// site-packages directory (native.SitePackages: $VIRTUAL_ENV's, those
+// mapped into the process, .venv directories above the working directory);
+// else the system's libucp.so.0 (Debian: libucx0). The UCX environment
+// defaults (native.SetUCXDefaults) are set before the first dlopen. UCX 1.13 or newer is
 // required. Building needs the UCX headers (Debian: libucx-dev); the C half
 // (gxucx.c) calls UCP only through the resolved function pointers. Built
 // with CGO_ENABLED=0 or the tag gonixl_noucx, the package registers a stub

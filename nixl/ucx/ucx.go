@@ -11,16 +11,15 @@ package ucx
 import "C"
 
 import (
-	"bufio"
 	"fmt"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 	"sync"
 	"unsafe"
 
 	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/nixl/internal/native"
 )
 
 // The C array of operations is a []op reinterpreted: same size and field
@@ -90,74 +89,17 @@ func LibraryPath() string {
 
 // candidates lists the libraries to try, in order: GONIXL_UCX_LIB alone if
 // set; else libucp.so.0 from a libucx wheel (libucx-cu12/-cu13) in any
-// Python site-packages this process can see; else the system soname.
+// Python site-packages this process can see (native.SitePackages); else the
+// system soname.
 func candidates() []string {
 	if p := os.Getenv(EnvLib); p != "" {
 		return []string{p}
 	}
-	var out []string
-	seen := map[string]bool{}
-	for _, sp := range sitePackages() {
-		p := filepath.Join(sp, "libucx", "lib", "libucp.so.0")
-		if seen[p] {
-			continue
-		}
-		seen[p] = true
-		if _, err := os.Stat(p); err == nil {
-			out = append(out, p)
-		}
-	}
-	return append(out, "libucp.so.0")
+	return append(native.Find(filepath.Join("libucx", "lib", "libucp.so.0")), "libucp.so.0")
 }
-
-// sitePackages finds Python site-packages directories: under $VIRTUAL_ENV,
-// and those holding any object already mapped into this process (inside
-// Python, torch and friends are), so an unactivated venv is found too.
-func sitePackages() []string {
-	var dirs []string
-	if ve := os.Getenv("VIRTUAL_ENV"); ve != "" {
-		m, _ := filepath.Glob(filepath.Join(ve, "lib", "python3*", "site-packages"))
-		sort.Strings(m)
-		dirs = append(dirs, m...)
-	}
-	f, err := os.Open("/proc/self/maps")
-	if err != nil {
-		return dirs
-	}
-	defer f.Close()
-	seen := map[string]bool{}
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		line := sc.Text()
-		i := strings.Index(line, "/site-packages/")
-		if i < 0 {
-			continue
-		}
-		j := strings.LastIndexByte(line[:i], ' ')
-		d := line[j+1 : i+len("/site-packages")]
-		if !seen[d] {
-			seen[d] = true
-			dirs = append(dirs, d)
-		}
-	}
-	return dirs
-}
-
-// ucsSignalDefaults keep UCX from installing its own handlers for SIGSEGV,
-// SIGBUS, SIGILL and SIGFPE (UCX_HANDLE_ERRORS=bt with UCX_ERROR_SIGNALS is
-// its default). Those handlers replace the Go runtime's, which turns a nil
-// dereference into a recoverable panic: with them a Go panic anywhere in
-// the process becomes a UCX backtrace and an abort. libucs reads these when
-// it is loaded, so they are set (only where the user left them unset)
-// before the first dlopen.
-var ucsSignalDefaults = [][2]string{{"UCX_HANDLE_ERRORS", "none"}, {"UCX_ERROR_SIGNALS", ""}}
 
 func (e *engine) load() {
-	for _, kv := range ucsSignalDefaults {
-		if _, set := os.LookupEnv(kv[0]); !set {
-			os.Setenv(kv[0], kv[1])
-		}
-	}
+	native.SetUCXDefaults() // before the first dlopen: libucs reads them when loaded
 	errBuf := (*C.char)(C.malloc(1024))
 	defer C.free(unsafe.Pointer(errBuf))
 	for _, p := range candidates() {

@@ -13,7 +13,6 @@ library in the child.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import threading
 from typing import Callable, Optional
@@ -147,34 +146,6 @@ def library_path() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "libgonixl.so")
 
 
-def _nixl_lib_dir() -> Optional[str]:
-    """The lib directory of an installed nixl wheel (nixl-cu12/cu13), without
-    importing nixl (which would initialise UCX in this process)."""
-    for mod in ("nixl_cu12", "nixl_cu13"):
-        try:
-            spec = importlib.util.find_spec(mod)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        pkg_dir = list(spec.submodule_search_locations)[0]
-        site = os.path.dirname(pkg_dir)
-        cand = os.path.join(site, f".{mod}.mesonpy.libs")
-        if os.path.isfile(os.path.join(cand, "libnixl_capi.so")):
-            return cand
-    return None
-
-
-def _prepare_environment() -> None:
-    # Native engines read these when they initialise; set them before the
-    # library loads, never overriding what the user set.
-    if "NIXL_LIB_DIR" not in os.environ:
-        d = _nixl_lib_dir()
-        if d:
-            os.environ["NIXL_LIB_DIR"] = d
-    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
-
-
 def _declare(cdll: ctypes.CDLL) -> None:
     for name, restype, argtypes in PROTOTYPES:
         try:
@@ -201,7 +172,8 @@ def lib() -> ctypes.CDLL:
         _path = library_path()
         if not os.path.exists(_path):
             raise errors.LibraryLoadError(f"libgonixl.so not found at {_path} (set GONIXL_LIB_PATH or run ./build.sh build)")
-        _prepare_environment()
+        # The native engines find their wheels' libraries and set their
+        # environment defaults themselves (Go: nixl/internal/native).
         try:
             cdll = ctypes.CDLL(_path, mode=ctypes.RTLD_LOCAL)
         except OSError as e:
