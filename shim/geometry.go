@@ -213,18 +213,13 @@ func firstGeometryDifference(remote, local kvGeometry) string {
 }
 
 // compatHashes returns this engine's compatibility hash and hints for the
-// hashes a peer on another transfer engine would have. A gonixl engine with
-// its own transport (ucx) can only pair with the same transport, so its
-// hash has gonixl_transfer_engine; NIXL keeps vLLM's exact hash (so stock
-// vLLM pairs with it). Two engines that differ only there cannot exchange
-// KV, whatever enforce_handshake_compat says: the hint makes that one line.
+// hashes a peer on another transfer engine would have, both by
+// sidechannel.EngineFactors' rule. Two engines that differ only in the
+// transfer engine cannot exchange KV, whatever enforce_handshake_compat
+// says: the hint makes that one line.
 func compatHashes(factors map[string]any, engine string) (string, map[string]string, error) {
 	with := func(e string) (string, error) {
-		f := maps.Clone(factors)
-		if e != "nixl" {
-			f["gonixl_transfer_engine"] = e
-		}
-		return sidechannel.HashFactors(f)
+		return sidechannel.HashFactors(sidechannel.EngineFactors(factors, e))
 	}
 	hash, err := with(engine)
 	if err != nil {

@@ -72,7 +72,7 @@ func metricValue(t *testing.T, text, name, engineID string) float64 {
 // Live counts move with a READ in flight and return to zero at rest, in
 // Live(), through the C-ABI-facing JSON, and on the metrics server.
 func TestLiveCountsAndMetricsServer(t *testing.T) {
-	port := freePort(t)
+	port := freePortRun(t, 4) // worker base+rank, scheduler base+world
 	t.Setenv(EnvMetricsPort, strconv.Itoa(port))
 	clock, eng, p, d := stuckRead(t, 30, "req-live", "req-dlive")
 	// The test creates the prefill's scheduler first: the server takes the

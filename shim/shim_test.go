@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"strings"
 	"testing"
@@ -36,6 +37,30 @@ func freePort(t *testing.T) int {
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port
+}
+
+// freePortRun returns the first of n consecutive free ports below the
+// kernel's ephemeral range (32768 and up by default), so that ports the test
+// later binds with port 0 (side channels) cannot land inside the run.
+func freePortRun(t *testing.T, n int) int {
+	t.Helper()
+	for try := 0; try < 200; try++ {
+		base := 20000 + rand.IntN(12000-n)
+		ok := true
+		for i := 0; i < n && ok; i++ {
+			l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", base+i))
+			if err != nil {
+				ok = false
+				break
+			}
+			l.Close()
+		}
+		if ok {
+			return base
+		}
+	}
+	t.Fatalf("no %d consecutive free ports in 20000-32000", n)
+	return 0
 }
 
 func testConfig(t *testing.T, role Role, kvRole, engineID string, port int, extra map[string]any) *Config {

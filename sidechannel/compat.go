@@ -104,10 +104,26 @@ func (f *CompatFactors) Map() map[string]any {
 			"auxiliary_layer_ids": aux,
 		}
 	}
-	if e := f.TransferEngine; e != "" && e != StockTransferEngine {
-		m[TransferEngineFactor] = e
+	return EngineFactors(m, f.TransferEngine)
+}
+
+// EngineFactors is the one place gonixl's own rule for the compatibility
+// hash lives: vLLM's factor dictionary m plus TransferEngineFactor when
+// engineKind is neither "" nor StockTransferEngine (a gonixl engine on NIXL
+// hashes exactly as stock vLLM does; one on its own transport cannot pair
+// with NIXL peers, and the hash says so). m is not modified. (vLLM's own
+// factors come from the Python side's vLLM config and, for those only the
+// library knows -- attn_backend_name, nixl_connector_version -- from the
+// worker.)
+func EngineFactors(m map[string]any, engineKind string) map[string]any {
+	out := make(map[string]any, len(m)+1)
+	for k, v := range m {
+		out[k] = v
 	}
-	return m
+	if engineKind != "" && engineKind != StockTransferEngine {
+		out[TransferEngineFactor] = engineKind
+	}
+	return out
 }
 
 func optStr(p *string) any {
@@ -267,9 +283,8 @@ func pyJSONString(b *strings.Builder, s string) error {
 }
 
 // HashFactorsJSON hashes a factor dictionary that arrives as JSON (for
-// example json.dumps of the dict vLLM builds, passed down from Python) after
-// adding TransferEngineFactor under the same rule as CompatFactors (only when
-// engineKind is neither "" nor "nixl"). Numbers must be integers.
+// example json.dumps of the dict vLLM builds, passed down from Python),
+// completed by EngineFactors. Numbers must be integers.
 func HashFactorsJSON(factorsJSON []byte, engineKind string) (string, error) {
 	d := json.NewDecoder(bytes.NewReader(factorsJSON))
 	d.UseNumber()
@@ -288,11 +303,7 @@ func HashFactorsJSON(factorsJSON []byte, engineKind string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	m = nv.(map[string]any)
-	if engineKind != "" && engineKind != StockTransferEngine {
-		m[TransferEngineFactor] = engineKind
-	}
-	return HashFactors(m)
+	return HashFactors(EngineFactors(nv.(map[string]any), engineKind))
 }
 
 func intNumbers(v any, depth int) (any, error) {

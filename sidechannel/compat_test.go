@@ -75,3 +75,23 @@ func TestHashFactorsJSON(t *testing.T) {
 		}
 	}
 }
+
+// EngineFactors is the rule in one place: the transfer-engine factor only
+// off NIXL, and the caller's map left alone.
+func TestEngineFactors(t *testing.T) {
+	m := map[string]any{"model": "m"}
+	got := EngineFactors(m, "ucx")
+	if got[TransferEngineFactor] != "ucx" || len(got) != 2 || len(m) != 1 {
+		t.Fatalf("ucx: %v (input %v)", got, m)
+	}
+	for _, e := range []string{"", StockTransferEngine} {
+		if _, ok := EngineFactors(m, e)[TransferEngineFactor]; ok {
+			t.Fatalf("engine %q got the transfer-engine factor", e)
+		}
+	}
+	a, _ := HashFactorsJSON([]byte(`{"model": "m"}`), "ucx")
+	b, _ := HashFactors(EngineFactors(m, "ucx"))
+	if a != b {
+		t.Fatalf("HashFactorsJSON %s, EngineFactors %s", a, b)
+	}
+}
