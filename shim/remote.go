@@ -128,7 +128,7 @@ func (w *Worker) finishHandshake(engineID, host string, port int, res *sidechann
 		w.touchRemoteLocked(re)
 		w.log.Info("handshake done", zap.String("remote_engine_id", engineID), zap.String("remote_agent", re.agent),
 			zap.Float64("clock_offset", re.offset), zap.Duration("rtt", res.BestRTT))
-		if ei, ok := w.agent.(interface{ EndpointInfo() string }); ok && !w.loggedLanes {
+		if ei, ok := w.agent.(nixl.EndpointDescriber); ok && !w.loggedLanes {
 			// Which transports UCX picked: a misconfiguration (TCP where
 			// shared memory was expected) is visible here.
 			w.loggedLanes = true

@@ -238,7 +238,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	fields := []zap.Field{zap.Int("regions", len(layout.Regions)), zap.Int64("num_blocks", layout.NumBlocks),
 		zap.Uint64("block_len", layout.Regions[0].Len), zap.Uint64("bytes", total), zap.String("mem", layout.Mem.String()),
 		zap.String("compat_hash", hash)}
-	if ai, ok := w.agent.(interface{ Info() string }); ok {
+	if ai, ok := w.agent.(nixl.Describer); ok {
 		// The agent's own settings (error handling, data path, shared regions).
 		fields = append(fields, zap.String("agent", ai.Info()))
 	}

@@ -149,6 +149,9 @@ func statusErr(op string, s C.int, format string, args ...any) error {
 	return &nixl.Error{Status: nixl.Status(s), Op: op, Msg: fmt.Sprintf(format, args...)}
 }
 
+// This engine's agent provides no optional capability (nixl/capabilities.go).
+var _ nixl.Agent = (*agent)(nil)
+
 // agent is one NIXL agent. mu serialises every call into NIXL.
 type agent struct {
 	mu       sync.Mutex
@@ -387,8 +390,8 @@ func (a *agent) MakeXfer(op nixl.XferOp, local nixl.DescList, localIdx []int32, 
 	if !ok1 || !ok2 || ll == nil || rl == nil || ll.a != a || rl.a != a {
 		return nil, bad("descriptor lists were not prepared by this agent")
 	}
-	if len(localIdx) == 0 || len(localIdx) != len(remoteIdx) {
-		return nil, bad("index arrays must be non-empty and of equal length (%d, %d)", len(localIdx), len(remoteIdx))
+	if err := nixl.CheckIndexArrays(localIdx, remoteIdx); err != nil {
+		return nil, err
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -433,14 +436,13 @@ func (a *agent) MakeXfer(op nixl.XferOp, local nixl.DescList, localIdx []int32, 
 // every index in range, each pair of equal length. It is the whole of our
 // per-descriptor work in MakeXfer besides the one cgo call.
 func checkPairs(llens, rlens []uint64, localIdx, remoteIdx []int32) error {
-	nl, nr := uint32(len(llens)), uint32(len(rlens))
 	for i, li := range localIdx {
 		ri := remoteIdx[i]
-		if uint32(li) >= nl || uint32(ri) >= nr {
-			return nixl.Errorf(nixl.ErrInvalidParam, "MakeXfer", "index pair %d (%d, %d) out of range (%d, %d)", i, li, ri, nl, nr)
+		if err := nixl.CheckPairRange(i, li, ri, len(llens), len(rlens)); err != nil {
+			return err
 		}
-		if llens[li] != rlens[ri] {
-			return nixl.Errorf(nixl.ErrInvalidParam, "MakeXfer", "pair %d: lengths %d and %d differ", i, llens[li], rlens[ri])
+		if err := nixl.CheckPairLengths(i, llens[li], rlens[ri]); err != nil {
+			return err
 		}
 	}
 	return nil

@@ -494,17 +494,17 @@ func (a *Agent) MakeXfer(op nixl.XferOp, local nixl.DescList, localIdx []int32, 
 	if ll.mem != rl.mem {
 		return nil, bad("memory types differ: %v vs %v", ll.mem, rl.mem)
 	}
-	if len(localIdx) == 0 || len(localIdx) != len(remoteIdx) {
-		return nil, bad("index arrays must be non-empty and of equal length (%d, %d)", len(localIdx), len(remoteIdx))
+	if err := nixl.CheckIndexArrays(localIdx, remoteIdx); err != nil {
+		return nil, err
 	}
 	var total uint64
 	for i := range localIdx {
 		li, ri := localIdx[i], remoteIdx[i]
-		if li < 0 || int(li) >= len(ll.descs) || ri < 0 || int(ri) >= len(rl.descs) {
-			return nil, bad("index pair %d (%d, %d) out of range (%d, %d)", i, li, ri, len(ll.descs), len(rl.descs))
+		if err := nixl.CheckPairRange(i, li, ri, len(ll.descs), len(rl.descs)); err != nil {
+			return nil, err
 		}
-		if ll.descs[li].Len != rl.descs[ri].Len {
-			return nil, bad("pair %d: lengths %d and %d differ", i, ll.descs[li].Len, rl.descs[ri].Len)
+		if err := nixl.CheckPairLengths(i, ll.descs[li].Len, rl.descs[ri].Len); err != nil {
+			return nil, err
 		}
 		total += ll.descs[li].Len
 	}

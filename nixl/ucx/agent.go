@@ -101,6 +101,14 @@ func (p *peer) checkDead(now time.Time) bool {
 	return p.dead
 }
 
+// The optional capabilities this engine's agent provides (nixl/capabilities.go).
+var (
+	_ nixl.Agent             = (*agent)(nil)
+	_ nixl.Describer         = (*agent)(nil)
+	_ nixl.EndpointDescriber = (*agent)(nil)
+	_ nixl.NotifDropCounter  = (*agent)(nil)
+)
+
 // agent implements nixl.Agent over one UCP context and one worker. mu
 // guards all fields and every call into C that touches the worker.
 type agent struct {
@@ -910,19 +918,19 @@ func (a *agent) MakeXfer(xop nixl.XferOp, local nixl.DescList, localIdx []int32,
 	if a.peers[rl.agent] != rl.peer || rl.peer.gen != rl.gen {
 		return nil, nixl.Errorf(nixl.ErrNotFound, fn, "metadata of agent %q was invalidated or reloaded after the list was prepared", rl.agent)
 	}
-	if len(localIdx) == 0 || len(localIdx) != len(remoteIdx) {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "index arrays of lengths %d and %d", len(localIdx), len(remoteIdx))
+	if err := nixl.CheckIndexArrays(localIdx, remoteIdx); err != nil {
+		return nil, err
 	}
 	ops := make([]op, len(localIdx))
 	var total uint64
 	for i := range localIdx {
 		li, ri := localIdx[i], remoteIdx[i]
-		if li < 0 || int(li) >= len(ll.ents) || ri < 0 || int(ri) >= len(rl.ents) {
-			return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "pair %d: index (%d, %d) out of range (%d, %d)", i, li, ri, len(ll.ents), len(rl.ents))
+		if err := nixl.CheckPairRange(i, li, ri, len(ll.ents), len(rl.ents)); err != nil {
+			return nil, err
 		}
 		le, re := ll.ents[li], rl.ents[ri]
-		if le.len != re.len {
-			return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "pair %d: lengths differ (%d local, %d remote)", i, le.len, re.len)
+		if err := nixl.CheckPairLengths(i, le.len, re.len); err != nil {
+			return nil, err
 		}
 		ops[i] = op{laddr: le.addr, raddr: re.addr, len: le.len, rkey: re.idx, memh: le.idx}
 		total += le.len

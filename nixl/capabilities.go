@@ -1,0 +1,53 @@
+package nixl
+
+// Optional capabilities. An agent implements these when it can; callers
+// test for them with a type assertion, and each engine pins the ones it
+// provides with a compile-time assertion (var _ nixl.Describer = ...), so a
+// renamed method fails the build instead of silently dropping the feature.
+
+// Describer is an agent that describes itself for the logs: library,
+// version and settings in effect (the ucx engine: error-handling mode,
+// data path, progress thread).
+type Describer interface {
+	Info() string
+}
+
+// EndpointDescriber is an agent that can show the transport of its first
+// connection to a peer (UCX's lanes), logged once so that a deployment's
+// transport choice is visible.
+type EndpointDescriber interface {
+	EndpointInfo() string
+}
+
+// NotifDropCounter is an agent that counts received notifications it had
+// to drop (malformed or over its size limit).
+type NotifDropCounter interface {
+	DroppedNotifs() uint64
+}
+
+// CheckIndexArrays is MakeXfer's rule for its index arrays, the same in
+// every engine: non-empty and of equal length.
+func CheckIndexArrays(localIdx, remoteIdx []int32) error {
+	if len(localIdx) == 0 || len(localIdx) != len(remoteIdx) {
+		return Errorf(ErrInvalidParam, "MakeXfer", "index arrays must be non-empty and of equal length (%d, %d)", len(localIdx), len(remoteIdx))
+	}
+	return nil
+}
+
+// CheckPairRange is MakeXfer's rule for pair i: both indices inside their
+// lists (of nLocal and nRemote descriptors). Engines call it before they
+// look at the descriptors.
+func CheckPairRange(i int, li, ri int32, nLocal, nRemote int) error {
+	if li < 0 || int(li) >= nLocal || ri < 0 || int(ri) >= nRemote {
+		return Errorf(ErrInvalidParam, "MakeXfer", "index pair %d (%d, %d) out of range (%d, %d)", i, li, ri, nLocal, nRemote)
+	}
+	return nil
+}
+
+// CheckPairLengths is MakeXfer's rule that pair i moves equal lengths.
+func CheckPairLengths(i int, localLen, remoteLen uint64) error {
+	if localLen != remoteLen {
+		return Errorf(ErrInvalidParam, "MakeXfer", "pair %d: lengths %d local and %d remote differ", i, localLen, remoteLen)
+	}
+	return nil
+}
