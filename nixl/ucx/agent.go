@@ -264,7 +264,7 @@ func (a *agent) RegisterMem(mem nixl.MemType, regions []nixl.Region) error {
 		return err
 	}
 	var maps []vma
-	if a.set.shm {
+	if a.set.path.sharesMemory() {
 		var err error
 		if maps, err = readMaps(); err != nil && a.shmWhy == "" {
 			a.shmWhy = "reading /proc/self/maps: " + err.Error()
@@ -568,7 +568,7 @@ func (a *agent) loadLocked(m *metadata) error {
 	p.rkeys = rkeys
 	p.regions = regions
 	p.md = m.Regions
-	if a.set.shm && p.local {
+	if a.set.path.sharesMemory() && p.local {
 		a.copyMu.Lock()
 		detachShm(p)
 		p.shmWhy = ""
@@ -937,7 +937,7 @@ func (a *agent) MakeXfer(xop nixl.XferOp, local nixl.DescList, localIdx []int32,
 	}
 	ops = coalesce(ops)
 	x := &xfer{a: a, op: xop, peer: rl.peer, gen: rl.gen, ops: ops, bytes: total, descs: len(localIdx)}
-	if a.set.shm && rl.peer.shm != nil {
+	if a.set.path.sharesMemory() && rl.peer.shm != nil {
 		x.shmOps, x.cmaOps, x.ctls = splitShm(ops, rl.peer.shm)
 	}
 	x.c = C.gx_xfer_new()

@@ -1,7 +1,7 @@
 package ucx
 
 // op is one UCP operation of a transfer. Its layout is that of the C struct
-// gx_iov (checked at compile time in ucx.go), so a []op crosses into C as
+// gx_iov (checked at compile time in engine.go), so a []op crosses into C as
 // one array.
 type op struct {
 	laddr, raddr, len uint64

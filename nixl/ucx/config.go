@@ -53,8 +53,52 @@ type settings struct {
 	errMode  string // "auto", "peer" or "none", for Info
 	errFrom  string // where errMode came from
 	ucxCfg   []string
-	cma      bool // data path "cma" or "shm" for same-host peers
-	shm      bool // data path "shm": regions shared, peers' regions mapped
+	path     dataPath
+}
+
+// dataPath is how a transfer's bytes move to or from a peer on this host
+// (a peer on another host always goes through UCP). One strategy per
+// agent, chosen by data_path / GONIXL_UCX_DATA_PATH.
+type dataPath int
+
+const (
+	// pathUCP: ucp_get_nbx/ucp_put_nbx (UCX picks the transport).
+	pathUCP dataPath = iota
+	// pathCMA: this process copies with process_vm_readv/writev (falls
+	// back to UCP for a peer the kernel refuses).
+	pathCMA
+	// pathShm: the KV cache is shared (memfd) and peers' regions mapped
+	// here; a transfer is a memcpy, with CMA for what is not mapped.
+	pathShm
+)
+
+func parseDataPath(s string) (dataPath, bool) {
+	switch strings.ToLower(s) {
+	case "", "ucp":
+		return pathUCP, true
+	case "cma":
+		return pathCMA, true
+	case "shm":
+		return pathShm, true
+	}
+	return pathUCP, false
+}
+
+// copiesHere reports whether this process moves a same-host transfer's
+// bytes itself (cma, shm) rather than UCP.
+func (d dataPath) copiesHere() bool { return d != pathUCP }
+
+// sharesMemory reports whether local regions are shared and peers' mapped.
+func (d dataPath) sharesMemory() bool { return d == pathShm }
+
+func (d dataPath) String() string {
+	switch d {
+	case pathCMA:
+		return "cma for same-host peers"
+	case pathShm:
+		return "shm (shared memory, cma for the rest) for same-host peers"
+	}
+	return "ucp"
 }
 
 // resolveSettings validates the agent config for this engine. env is
@@ -106,13 +150,8 @@ func resolveSettings(cfg nixl.AgentConfig, env func(string) string) (settings, e
 	if dp == "" {
 		dp = env(EnvDataPath)
 	}
-	switch strings.ToLower(dp) {
-	case "", "ucp":
-	case "cma":
-		s.cma = true
-	case "shm":
-		s.cma, s.shm = true, true
-	default:
+	var ok bool
+	if s.path, ok = parseDataPath(dp); !ok {
 		return s, nixl.Errorf(nixl.ErrInvalidParam, "NewAgent", "%s=%q: want ucp, cma or shm", ParamDataPath, dp)
 	}
 
@@ -165,12 +204,5 @@ func resolveSettings(cfg nixl.AgentConfig, env func(string) string) (settings, e
 }
 
 func (s settings) String() string {
-	dp := "ucp"
-	switch {
-	case s.shm:
-		dp = "shm (shared memory, cma for the rest) for same-host peers"
-	case s.cma:
-		dp = "cma for same-host peers"
-	}
-	return fmt.Sprintf("error handling %s (%s), data path %s", s.errMode, s.errFrom, dp)
+	return fmt.Sprintf("error handling %s (%s), data path %s", s.errMode, s.errFrom, s.path)
 }

@@ -299,7 +299,7 @@ func splitShm(ops []op, shm []*shmRemote) (mem, cma []op, ctls []unsafe.Pointer)
 
 // shmSummary describes how many of the agent's regions are shared, for Info.
 func (a *agent) shmSummary() string {
-	if !a.set.shm {
+	if !a.set.path.sharesMemory() {
 		return ""
 	}
 	n, shared := 0, 0

@@ -73,11 +73,7 @@ func (x *xfer) Post() (nixl.Status, error) {
 	x.final = nixl.InProgress
 	x.finalErr = nil
 	x.start = time.Now()
-	if a.set.cma && p.local && !p.noCMA {
-		post := x.postCMA
-		if x.ctls != nil {
-			post = x.postShm
-		}
+	if post := x.hostPost(); post != nil {
 		if st, err, done := post(fn); done {
 			return st, err
 		}
@@ -88,6 +84,21 @@ func (x *xfer) Post() (nixl.Status, error) {
 		memhPtr(a.memhs), C.size_t(len(a.memhs)), x.c)
 	x.postDur = time.Since(x.start)
 	return x.settle(rc, fn)
+}
+
+// hostPost returns the data path's way of moving x's bytes in this process
+// (shm where the peer's regions are mapped, else CMA), or nil when UCP
+// moves them (data path ucp, a peer on another host, or one the kernel
+// refused CMA to).
+func (x *xfer) hostPost() func(fn string) (nixl.Status, error, bool) {
+	p := x.peer
+	switch {
+	case !x.a.set.path.copiesHere() || !p.local || p.noCMA:
+		return nil
+	case x.ctls != nil:
+		return x.postShm
+	}
+	return x.postCMA
 }
 
 // postCMA moves the data with process_vm_readv/writev outside the agent
