@@ -38,12 +38,12 @@ const char *gxnixl_required_name(size_t i);
 int gxnixl_have_direct_status(void);
 
 int gxnixl_agent_new(const char *name, int prog_thread, int sync_mode, int telemetry,
-                 uint64_t pthr_delay_us, void **out);
+                     uint64_t pthr_delay_us, void **out);
 int gxnixl_agent_free(void *agent);
 // Available plugin names, '\n'-separated, malloc'ed (free with gxnixl_free).
 int gxnixl_plugins(void *agent, char **out, size_t *len);
-int gxnixl_backend_new(void *agent, const char *name, const char **keys,
-                   const char **vals, size_t n);
+int gxnixl_backend_new(void *agent, const char *name, const char **keys, const char **vals,
+                       size_t n);
 
 // descs points at n {addr, len, devId} triples.
 int gxnixl_register(void *agent, int mem, const uint64_t *descs, size_t n, int dereg);
@@ -51,13 +51,13 @@ int gxnixl_local_md(void *agent, void **data, size_t *len);
 int gxnixl_load_md(void *agent, const void *data, size_t len, char **name);
 int gxnixl_invalidate(void *agent, const char *name);
 
-int gxnixl_prep(void *agent, const char *remote, int mem, const uint64_t *descs,
-            size_t n, void **out);
+int gxnixl_prep(void *agent, const char *remote, int mem, const uint64_t *descs, size_t n,
+                void **out);
 int gxnixl_release_dlist(void *agent, void *dlist);
 
 int gxnixl_make(void *agent, int op, void *local, const int32_t *li, void *remote,
-            const int32_t *ri, size_t n, const void *notif, size_t notif_len,
-            int has_notif, void **out);
+                const int32_t *ri, size_t n, const void *notif, size_t notif_len, int has_notif,
+                void **out);
 int gxnixl_post(void *agent, void *req);
 int gxnixl_check(void *agent, void *req);
 // out: start (µs, steady clock), post µs, xfer µs, bytes, descs, and the

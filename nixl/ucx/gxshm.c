@@ -29,7 +29,10 @@ static size_t page_size(void)
     return p;
 }
 
-size_t gx_page_size(void) { return page_size(); }
+size_t gx_page_size(void)
+{
+    return page_size();
+}
 
 static int all_zero(const void *p, size_t n)
 {
@@ -124,11 +127,13 @@ static void restore_range(int fd, uint64_t base, uint64_t upto, size_t chunk, in
     for (off = 0; off < upto; off += chunk) {
         size_t n = (size_t)(upto - off < chunk ? upto - off : chunk);
         void *p = (void *)(uintptr_t)(base + off);
-        if (mmap(p, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == p) {
+        if (mmap(p, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
+            p) {
             (void)restore_chunk(fd, (char *)p, n, (off_t)(pg + off));
         }
         if (punch) {
-            (void)fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(pg + off), (off_t)n);
+            (void)fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(pg + off),
+                            (off_t)n);
         }
     }
 }
@@ -145,8 +150,8 @@ int gx_shm_share(uint64_t base, uint64_t len, uint64_t token, size_t chunk, gx_s
     memset(out, 0, sizeof(*out));
     out->fd = -1;
     if (len == 0 || base % pg != 0 || len % pg != 0) {
-        snprintf(err, errlen, "range %#llx+%llu is not page aligned",
-                 (unsigned long long)base, (unsigned long long)len);
+        snprintf(err, errlen, "range %#llx+%llu is not page aligned", (unsigned long long)base,
+                 (unsigned long long)len);
         return -1;
     }
     if (chunk < pg) {
@@ -159,7 +164,8 @@ int gx_shm_share(uint64_t base, uint64_t len, uint64_t token, size_t chunk, gx_s
         return -1;
     }
     if (ftruncate(fd, (off_t)(pg + len)) != 0) {
-        snprintf(err, errlen, "ftruncate(%llu): %s", (unsigned long long)(pg + len), strerror(errno));
+        snprintf(err, errlen, "ftruncate(%llu): %s", (unsigned long long)(pg + len),
+                 strerror(errno));
         close(fd);
         return -1;
     }
@@ -180,10 +186,12 @@ int gx_shm_share(uint64_t base, uint64_t len, uint64_t token, size_t chunk, gx_s
         size_t n = (size_t)(len - off < chunk ? len - off : chunk);
         void *p = (void *)(uintptr_t)(base + off);
         if (!all_zero(p, n) && pwrite_all(fd, (const char *)p, n, (off_t)(pg + off)) != 0) {
-            snprintf(err, errlen, "copy into memfd at %llu: %s", (unsigned long long)off, strerror(errno));
+            snprintf(err, errlen, "copy into memfd at %llu: %s", (unsigned long long)off,
+                     strerror(errno));
             goto undo;
         }
-        if (mmap(p, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, (off_t)(pg + off)) != p) {
+        if (mmap(p, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, (off_t)(pg + off)) !=
+            p) {
             snprintf(err, errlen, "mmap(MAP_FIXED) at %p: %s", p, strerror(errno));
             goto undo;
         }
@@ -262,7 +270,8 @@ int gx_shm_attach(int pid, int fd, uint64_t ino, uint64_t dev, uint64_t len, uin
         goto fail;
     }
     if (!S_ISREG(st.st_mode) || (uint64_t)st.st_ino != ino || (uint64_t)st.st_dev != dev) {
-        snprintf(err, errlen, "%s is not the advertised memfd (inode %llu dev %llu, want %llu %llu)", path,
+        snprintf(err, errlen,
+                 "%s is not the advertised memfd (inode %llu dev %llu, want %llu %llu)", path,
                  (unsigned long long)st.st_ino, (unsigned long long)st.st_dev,
                  (unsigned long long)ino, (unsigned long long)dev);
         goto fail;
@@ -287,7 +296,9 @@ int gx_shm_attach(int pid, int fd, uint64_t ino, uint64_t dev, uint64_t len, uin
     ctl = (gx_shm_ctl *)m;
     if (ctl->magic != GX_SHM_MAGIC || ctl->token != token || ctl->len != len ||
         __atomic_load_n(&ctl->state, __ATOMIC_ACQUIRE) != GX_SHM_ACTIVE) {
-        snprintf(err, errlen, "%s: control page does not match the metadata (or the region was deregistered)", path);
+        snprintf(err, errlen,
+                 "%s: control page does not match the metadata (or the region was deregistered)",
+                 path);
         munmap(m, pg + len);
         return -1;
     }

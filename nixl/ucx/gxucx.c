@@ -20,20 +20,18 @@ static struct {
     ucs_status_t (*config_read)(const char *, const char *, ucp_config_t **);
     ucs_status_t (*config_modify)(ucp_config_t *, const char *, const char *);
     void (*config_release)(ucp_config_t *);
-    ucs_status_t (*init_version)(unsigned, unsigned, const ucp_params_t *,
-                                 const ucp_config_t *, ucp_context_h *);
+    ucs_status_t (*init_version)(unsigned, unsigned, const ucp_params_t *, const ucp_config_t *,
+                                 ucp_context_h *);
     void (*cleanup)(ucp_context_h);
     void (*get_version)(unsigned *, unsigned *, unsigned *);
-    ucs_status_t (*worker_create)(ucp_context_h, const ucp_worker_params_t *,
-                                  ucp_worker_h *);
+    ucs_status_t (*worker_create)(ucp_context_h, const ucp_worker_params_t *, ucp_worker_h *);
     void (*worker_destroy)(ucp_worker_h);
     ucs_status_t (*worker_get_address)(ucp_worker_h, ucp_address_t **, size_t *);
     void (*worker_release_address)(ucp_worker_h, ucp_address_t *);
     unsigned (*worker_progress)(ucp_worker_h);
     ucs_status_t (*worker_get_efd)(ucp_worker_h, int *);
     ucs_status_t (*worker_arm)(ucp_worker_h);
-    ucs_status_t (*worker_set_am_recv_handler)(ucp_worker_h,
-                                               const ucp_am_handler_param_t *);
+    ucs_status_t (*worker_set_am_recv_handler)(ucp_worker_h, const ucp_am_handler_param_t *);
     ucs_status_t (*ep_create)(ucp_worker_h, const ucp_ep_params_t *, ucp_ep_h *);
     ucs_status_ptr_t (*ep_close_nbx)(ucp_ep_h, const ucp_request_param_t *);
     ucs_status_ptr_t (*ep_flush_nbx)(ucp_ep_h, const ucp_request_param_t *);
@@ -48,21 +46,21 @@ static struct {
                                 const ucp_request_param_t *);
     ucs_status_ptr_t (*get_nbx)(ucp_ep_h, void *, size_t, uint64_t, ucp_rkey_h,
                                 const ucp_request_param_t *);
-    ucs_status_ptr_t (*am_send_nbx)(ucp_ep_h, unsigned, const void *, size_t,
-                                    const void *, size_t, const ucp_request_param_t *);
+    ucs_status_ptr_t (*am_send_nbx)(ucp_ep_h, unsigned, const void *, size_t, const void *, size_t,
+                                    const ucp_request_param_t *);
     ucs_status_t (*request_check_status)(void *);
     void (*request_free)(void *);
     void (*request_cancel)(ucp_worker_h, void *);
     const char *(*status_string)(ucs_status_t);
 } G;
 
-#define SYM(field, name)                                                          \
-    do {                                                                          \
-        *(void **)(&G.field) = dlsym(h, name);                                    \
-        if (G.field == NULL) {                                                    \
-            snprintf(err, errlen, "%s: symbol %s not found", path, name);         \
-            goto fail;                                                            \
-        }                                                                         \
+#define SYM(field, name)                                                                           \
+    do {                                                                                           \
+        *(void **)(&G.field) = dlsym(h, name);                                                     \
+        if (G.field == NULL) {                                                                     \
+            snprintf(err, errlen, "%s: symbol %s not found", path, name);                          \
+            goto fail;                                                                             \
+        }                                                                                          \
     } while (0)
 
 int gx_load(const char *path, char *err, size_t errlen)
@@ -128,7 +126,10 @@ void gx_version(unsigned *major, unsigned *minor, unsigned *release)
     G.get_version(major, minor, release);
 }
 
-const char *gx_loaded_path(void) { return G.path; }
+const char *gx_loaded_path(void)
+{
+    return G.path;
+}
 
 const char *gx_status_string(int status)
 {
@@ -149,9 +150,8 @@ const char *gx_status_string(int status)
 
 /* ---- agent (context + worker) ------------------------------------------- */
 
-static ucs_status_t gx_am_recv(void *arg, const void *header, size_t header_length,
-                               void *data, size_t length,
-                               const ucp_am_recv_param_t *param)
+static ucs_status_t gx_am_recv(void *arg, const void *header, size_t header_length, void *data,
+                               size_t length, const ucp_am_recv_param_t *param)
 {
     gx_agent *a = (gx_agent *)arg;
     const unsigned char *p = (const unsigned char *)data;
@@ -226,8 +226,7 @@ static int apply_config(ucp_config_t *cfg, const char *kv, char *err, size_t err
     return rc;
 }
 
-gx_agent *gx_agent_create(const char *name, const char *cfgkv, int wakeup, char *err,
-                          size_t errlen)
+gx_agent *gx_agent_create(const char *name, const char *cfgkv, int wakeup, char *err, size_t errlen)
 {
     gx_agent *a;
     ucp_config_t *cfg = NULL;
@@ -578,7 +577,8 @@ void gx_ep_close(gx_agent *a, gx_ep *e, int force, int timeout_ms)
     e->closed = 1;
     memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = (force || __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE)) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    p.flags =
+        (force || __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE)) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     sp = G.ep_close_nbx(e->ep, &p);
     if (sp == NULL || UCS_PTR_IS_ERR(sp)) {
         return;
@@ -636,7 +636,8 @@ int gx_ep_close_start(gx_agent *a, gx_ep *e, int force, void **req)
     e->closed = 1;
     memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = (force || __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE)) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    p.flags =
+        (force || __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE)) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     sp = G.ep_close_nbx(e->ep, &p);
     if (sp == NULL) {
         return 0;
@@ -673,7 +674,10 @@ void gx_req_abandon(void **req)
     }
 }
 
-void gx_ep_free(gx_ep *e) { free(e); }
+void gx_ep_free(gx_ep *e)
+{
+    free(e);
+}
 
 /* ---- memory ---------------------------------------------------------------- */
 
@@ -710,7 +714,10 @@ int gx_mem_map(gx_agent *a, uint64_t addr, uint64_t len, ucp_mem_h *memh, void *
     return UCS_OK;
 }
 
-int gx_mem_unmap(gx_agent *a, ucp_mem_h memh) { return G.mem_unmap(a->ctx, memh); }
+int gx_mem_unmap(gx_agent *a, ucp_mem_h memh)
+{
+    return G.mem_unmap(a->ctx, memh);
+}
 
 int gx_rkey_unpack(gx_ep *e, const void *buf, size_t len, ucp_rkey_h *out)
 {
@@ -718,11 +725,17 @@ int gx_rkey_unpack(gx_ep *e, const void *buf, size_t len, ucp_rkey_h *out)
     return G.ep_rkey_unpack(e->ep, buf, out);
 }
 
-void gx_rkey_destroy(ucp_rkey_h r) { G.rkey_destroy(r); }
+void gx_rkey_destroy(ucp_rkey_h r)
+{
+    G.rkey_destroy(r);
+}
 
 /* ---- transfers --------------------------------------------------------------- */
 
-gx_xfer *gx_xfer_new(void) { return calloc(1, sizeof(gx_xfer)); }
+gx_xfer *gx_xfer_new(void)
+{
+    return calloc(1, sizeof(gx_xfer));
+}
 
 int gx_xfer_set_notif(gx_xfer *x, const void *buf, size_t len)
 {
@@ -860,8 +873,8 @@ int gx_post(gx_agent *a, gx_ep *e, int op, const gx_iov *iov, size_t n, ucp_rkey
     for (i = 0; i < n; i++) {
         p.memh = memhs[iov[i].memh_idx];
         if (op == 0) {
-            sp = G.get_nbx(e->ep, (void *)(uintptr_t)iov[i].laddr, (size_t)iov[i].len,
-                           iov[i].raddr, rkeys[iov[i].rkey_idx], &p);
+            sp = G.get_nbx(e->ep, (void *)(uintptr_t)iov[i].laddr, (size_t)iov[i].len, iov[i].raddr,
+                           rkeys[iov[i].rkey_idx], &p);
         } else {
             sp = G.put_nbx(e->ep, (const void *)(uintptr_t)iov[i].laddr, (size_t)iov[i].len,
                            iov[i].raddr, rkeys[iov[i].rkey_idx], &p);
@@ -1007,8 +1020,8 @@ int gx_cma(int pid, int op, const gx_iov *iov, size_t n)
             r[k].iov_len = l[k].iov_len;
             want += l[k].iov_len;
         }
-        got = op == 0 ? process_vm_readv(pid, l, k, r, k, 0)
-                      : process_vm_writev(pid, l, k, r, k, 0);
+        got =
+            op == 0 ? process_vm_readv(pid, l, k, r, k, 0) : process_vm_writev(pid, l, k, r, k, 0);
         if (got < 0) {
             if (errno == EINTR) {
                 continue;

@@ -18,14 +18,14 @@
 #include <ucp/api/ucp.h>
 
 #define GX_AM_NOTIF_ID 0
-#define GX_MAX_NOTIF (1u << 20)      /* largest accepted notification payload */
-#define GX_MAX_NAME 1024              /* largest accepted sender name */
+#define GX_MAX_NOTIF   (1u << 20) /* largest accepted notification payload */
+#define GX_MAX_NAME    1024       /* largest accepted sender name */
 
 /* Errors gonixl adds on top of ucs_status_t (all below UCS_ERR_LAST). */
 #define GX_ERR_REPOST_ACTIVE (-1001)
-#define GX_ERR_EP_FAILED (-1002)
-#define GX_ERR_EP_CLOSED (-1003)
-#define GX_ERR_CMA_DENIED (-1004)
+#define GX_ERR_EP_FAILED     (-1002)
+#define GX_ERR_EP_CLOSED     (-1003)
+#define GX_ERR_CMA_DENIED    (-1004)
 
 /* Loads libucp from path. On failure returns -1 and writes a message into
  * err. Must be called once per process before anything else. */
@@ -52,9 +52,9 @@ typedef struct gx_pending {
 typedef struct gx_agent {
     ucp_context_h ctx;
     ucp_worker_h worker;
-    int efd;          /* worker event fd (only with wakeup), else -1 */
-    gx_pending *pending; /* fire-and-forget sends still in flight */
-    pthread_mutex_t nq_mu;  /* guards the notification queue below */
+    int efd;               /* worker event fd (only with wakeup), else -1 */
+    gx_pending *pending;   /* fire-and-forget sends still in flight */
+    pthread_mutex_t nq_mu; /* guards the notification queue below */
     gx_notif *nq_head, *nq_tail;
     uint64_t nq_dropped;
 } gx_agent;
@@ -62,8 +62,7 @@ typedef struct gx_agent {
 /* Creates context + worker. cfg is "KEY=VAL\n..." applied with
  * ucp_config_modify (may be NULL). wakeup adds UCP_FEATURE_WAKEUP and exposes
  * the worker's event fd. Returns NULL with err filled on failure. */
-gx_agent *gx_agent_create(const char *name, const char *cfg, int wakeup,
-                          char *err, size_t errlen);
+gx_agent *gx_agent_create(const char *name, const char *cfg, int wakeup, char *err, size_t errlen);
 /* Destroys worker and context (after every ep, rkey and memh is gone). */
 void gx_agent_destroy(gx_agent *a);
 /* Copies the worker address into a malloc'd buffer. */
@@ -81,19 +80,22 @@ void gx_wait(int efd, int wakefd, int timeout_ms);
 /* Detaches and returns the queued notifications (caller frees each node). */
 gx_notif *gx_notifs_take(gx_agent *a, uint64_t *dropped);
 void gx_notifs_free(gx_notif *n);
-static inline const char *gx_notif_data(const gx_notif *n) { return n->data; }
+static inline const char *gx_notif_data(const gx_notif *n)
+{
+    return n->data;
+}
 
 typedef struct gx_ep {
     ucp_ep_h ep;
-    volatile int failed;   /* set by the error callback */
-    volatile int status;   /* the ucs_status_t it reported */
+    volatile int failed; /* set by the error callback */
+    volatile int status; /* the ucs_status_t it reported */
     int closed;
 } gx_ep;
 
 /* Creates an endpoint to a worker address. peer_mode selects
  * UCP_ERR_HANDLING_MODE_PEER (else NONE). */
-gx_ep *gx_ep_create(gx_agent *a, const void *addr, size_t len, int peer_mode,
-                    char *err, size_t errlen);
+gx_ep *gx_ep_create(gx_agent *a, const void *addr, size_t len, int peer_mode, char *err,
+                    size_t errlen);
 /* Reports whether UCX declared the endpoint failed (and with which status). */
 int gx_ep_failed(gx_ep *e, int *status);
 /* Writes ucp_ep_print_info into a malloc'd NUL-terminated string. */
@@ -118,8 +120,8 @@ void gx_req_abandon(void **req);
 void gx_ep_free(gx_ep *e);
 
 /* Maps [addr, addr+len) and packs its rkey into a malloc'd buffer. */
-int gx_mem_map(gx_agent *a, uint64_t addr, uint64_t len, ucp_mem_h *memh,
-               void **rkey, size_t *rkey_len);
+int gx_mem_map(gx_agent *a, uint64_t addr, uint64_t len, ucp_mem_h *memh, void **rkey,
+               size_t *rkey_len);
 int gx_mem_unmap(gx_agent *a, ucp_mem_h memh);
 int gx_rkey_unpack(gx_ep *e, const void *buf, size_t len, ucp_rkey_h *out);
 void gx_rkey_destroy(ucp_rkey_h r);
@@ -142,7 +144,7 @@ typedef struct gx_xfer {
     void *notif_buf; /* [u16 name_len][name][msg], owned by the xfer */
     size_t notif_len;
     int state;
-    int err;         /* ucs_status_t (or GX_ERR_*) when state == GX_X_ERR */
+    int err; /* ucs_status_t (or GX_ERR_*) when state == GX_X_ERR */
 } gx_xfer;
 
 gx_xfer *gx_xfer_new(void);
@@ -151,9 +153,8 @@ int gx_xfer_set_notif(gx_xfer *x, const void *buf, size_t len);
 /* Posts every op (READ: op=0 → ucp_get_nbx, WRITE: op=1 → ucp_put_nbx),
  * then an endpoint flush. Returns 1 (in progress), 0 (done) or a negative
  * status. */
-int gx_post(gx_agent *a, gx_ep *e, int op, const gx_iov *iov, size_t n,
-            ucp_rkey_h *rkeys, size_t nrkeys, ucp_mem_h *memhs, size_t nmemhs,
-            gx_xfer *x);
+int gx_post(gx_agent *a, gx_ep *e, int op, const gx_iov *iov, size_t n, ucp_rkey_h *rkeys,
+            size_t nrkeys, ucp_mem_h *memhs, size_t nmemhs, gx_xfer *x);
 /* Progresses (unless progress == 0) and advances x. Same returns as
  * gx_post. */
 int gx_check(gx_agent *a, gx_ep *e, gx_xfer *x, int progress);
@@ -182,14 +183,14 @@ int gx_send_notif(gx_agent *a, gx_ep *e, const void *buf, size_t len);
  * the memfd through /proc/<pid>/fd/<fd>, maps it, and a READ or WRITE becomes
  * a memcpy. Page 0 of the memfd is a control page; the data follows it. */
 #define GX_ERR_SHM_REVOKED (-1005)
-#define GX_SHM_MAGIC 0x314d48534c584e47ull /* "GNXLSHM1" */
+#define GX_SHM_MAGIC       0x314d48534c584e47ull /* "GNXLSHM1" */
 enum { GX_SHM_ACTIVE = 1, GX_SHM_REVOKED = 2 };
 
 typedef struct gx_shm_ctl {
     uint64_t magic;
-    uint64_t token;    /* random, also in the metadata */
-    uint64_t len;      /* data bytes after this page */
-    uint32_t state;    /* GX_SHM_ACTIVE until the owner deregisters */
+    uint64_t token; /* random, also in the metadata */
+    uint64_t len;   /* data bytes after this page */
+    uint32_t state; /* GX_SHM_ACTIVE until the owner deregisters */
 } gx_shm_ctl;
 
 typedef struct gx_shm_local {
