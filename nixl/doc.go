@@ -10,8 +10,10 @@
 //	nixl/ucx      "ucx"   direct UCP binding (dlopen of libucp.so.0)
 //	nixl/nixltest "fake"  scriptable in-process fake, for unit tests only
 //
-// Higher layers (shim) pick an engine with Open and never import a concrete
-// engine; capi blank-imports the real ones.
+// Higher layers (shim) pick an engine with Select (or Lookup) and never
+// import a concrete engine; capi blank-imports the real ones. Optional agent
+// capabilities and the index rules every engine applies are in
+// capabilities.go; docs/ARCHITECTURE.md has the map.
 //
 // Imports: the standard library only.
 //

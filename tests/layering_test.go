@@ -38,8 +38,8 @@ var (
 	metrics = []string{"github.com/prometheus/client_golang", "github.com/prometheus/common", "github.com/prometheus/client_model"}
 )
 
-// rules follow ../shared/design/architecture.md ("Layers and allowed
-// imports"). The first matching prefix wins; a package no rule matches fails.
+// rules follow docs/ARCHITECTURE.md ("Layers"; each package's doc.go says
+// what it may import). The first matching prefix wins; a package no rule matches fails.
 var rules = []rule{
 	{prefix: "capi", internal: []string{"shim", "nixl", "nixl/..."}, cgo: true, unsafe: true},
 	{prefix: "shim", internal: []string{"nixl", "sidechannel"}, external: concat(logging, metrics, []string{"github.com/vmihailenco/msgpack/v5"})},

@@ -1,7 +1,9 @@
 // Command gonixl-bench runs gonixl's benchmarks. Each benchmark is a
 // subcommand registered from its own file:
 //
-//	gonixl-bench transfer   ...  transfer-engine throughput and latency
+//	gonixl-bench transfer   ...  transfer-engine throughput and latency, gonixl vs NIXL's Python API
+//	gonixl-bench ucxperf    ...  the ucx engine vs ucx_perftest and a single-core memcpy
+//	gonixl-bench proxy      ...  latency the gonixl-proxy process adds over calling the upstream
 //	gonixl-bench multiturn  ...  multi-turn serving client against a proxy
 //
 // Run "gonixl-bench <subcommand> -h" for a subcommand's flags.
