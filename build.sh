@@ -7,14 +7,24 @@ cd "$ROOT"
 
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
+VENV_STAMP="$VENV/.gonixl-requirements.sha256"
 BUILD="$ROOT/build"
 LIB="$BUILD/libgonixl.so"
+DIST="$ROOT/dist"
 VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' pybridge/pyproject.toml)"
-APT_PACKAGES=(libucx0 ucx-utils libucx-dev python3-venv binutils)
+APT_PACKAGES=(libucx0 ucx-utils libucx-dev python3-venv binutils clang-format)
 PYTHON_BIN="${GONIXL_PYTHON:-python3.11}"
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 die() { printf 'build.sh: %s\n' "$*" >&2; exit 1; }
+
+lock_hash() { sha256sum "$ROOT/requirements.lock" | cut -d' ' -f1; }
+# venv_current: .venv exists and holds what requirements.lock lists.
+venv_current() { [ -x "$PY" ] && [ -f "$VENV_STAMP" ] && [ "$(cat "$VENV_STAMP")" = "$(lock_hash)" ]; }
+require_venv() {
+  [ -x "$PY" ] || die ".venv is missing: run ./build.sh setup"
+  venv_current || die ".venv does not match requirements.lock: run ./build.sh setup"
+}
 
 ## setup: install what a fresh machine lacks (apt packages, .venv, Go modules); idempotent
 cmd_setup() {
@@ -35,14 +45,11 @@ cmd_setup() {
     log "creating $VENV"
     "$PYTHON_BIN" -m venv "$VENV"
   fi
-  local stamp="$VENV/.gonixl-requirements.sha256"
-  local want
-  want="$(sha256sum requirements.lock | cut -d' ' -f1)"
-  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  if ! venv_current; then
     log "pip install --no-deps -r requirements.lock (first run downloads about 4 GB)"
     "$PY" -m pip install -q --upgrade pip
     "$PY" -m pip install -q --no-deps -r requirements.lock
-    echo "$want" > "$stamp"
+    lock_hash > "$VENV_STAMP"
   fi
   log "go mod download"
   go mod download
@@ -60,26 +67,139 @@ cmd_build() {
     c="${c%/}"
     go build -trimpath -o "$BUILD/bin/$(basename "$c")" "./$c"
   done
-  [ -x "$PY" ] || die ".venv is missing: run ./build.sh setup"
+  require_venv
   cp "$LIB" pybridge/gonixl/libgonixl.so
   log "pip install ./pybridge into .venv"
-  "$PY" -m pip install -q --no-deps --force-reinstall ./pybridge
+  # Built with .venv's setuptools (pinned in requirements.lock), not a
+  # freshly downloaded one.
+  "$PY" -m pip install -q --no-deps --no-build-isolation --force-reinstall ./pybridge
   rm -rf pybridge/build pybridge/*.egg-info
 }
 
-## test: everything CI runs (setup and build first)
-cmd_test() {
-  cmd_setup
-  cmd_build
-  export GONIXL_LIB_PATH="$LIB"
+# Packages whose code or tests need cgo: capi and tests/cabi are the C ABI
+# and its harness; nixl/libnixl's tests do not compile without it;
+# cmd/gonixl-bench builds, but its tests drive the real engines. Every other
+# package must build and pass its tests with CGO_ENABLED=0 (nixl/ucx then
+# compiles its stub engine).
+NEEDS_CGO=(capi nixl/libnixl tests/cabi cmd/gonixl-bench)
+
+## check: gofmt, clang-format, go vet, go mod tidy, ruff and mypy on pybridge, Go tests without cgo
+cmd_check() {
+  require_venv
+  local mod pkgs=() dirs=() p c skip
+  mod="$(go list -m)"
+  mapfile -t dirs < <(go list -f '{{.Dir}}' ./...)
+  log "gofmt -l"
+  local unformatted
+  unformatted="$(gofmt -l "${dirs[@]}")"
+  if [ -n "$unformatted" ]; then
+    gofmt -d "${dirs[@]}" >&2 || true
+    die "gofmt would change: $(echo "$unformatted" | sed "s|^$ROOT/||" | tr '\n' ' ')"
+  fi
+  log "clang-format --dry-run (the C files, .clang-format)"
+  clang-format --dry-run -Werror nixl/ucx/gxucx.c nixl/ucx/gxshm.c nixl/ucx/gxucx.h \
+    nixl/libnixl/gxnixl.c nixl/libnixl/gxnixl.h || die "clang-format would change the C files: run clang-format -i on them"
   log "go vet ./..."
   go vet ./...
+  log "go mod tidy -diff"
+  go mod tidy -diff || die "go.mod/go.sum are not tidy: run go mod tidy"
+  log "ruff check (pybridge)"
+  (cd pybridge && "$VENV/bin/ruff" check --quiet --cache-dir "$BUILD/ruff-cache" gonixl)
+  # mypy reads vLLM and torch from .venv, so the connector is checked
+  # against vLLM's own classes: 1-3 minutes on 2 cores while
+  # build/mypy-cache is empty, seconds after.
+  log "mypy (pybridge)"
+  (cd pybridge && "$PY" -m mypy --cache-dir "$BUILD/mypy-cache")
+  while read -r p; do
+    skip=""
+    for c in "${NEEDS_CGO[@]}"; do [ "$p" = "$mod/$c" ] && skip=1; done
+    [ -n "$skip" ] || pkgs+=("$p")
+  done < <(go list ./...)
+  log "CGO_ENABLED=0 go test (${#pkgs[@]} packages; not ${NEEDS_CGO[*]})"
+  CGO_ENABLED=0 go test -count=1 -timeout 15m "${pkgs[@]}"
+}
+
+# unit_tests: Go tests, the C ABI check and pytest tests/python against the
+# library in build/ (no vLLM servers).
+unit_tests() {
+  export GONIXL_LIB_PATH="$LIB"
   log "go test ./..."
   go test -count=1 -timeout 15m ./...
   log "ABI check: exported symbols vs include/gonixl.h vs ctypes prototypes"
   "$PY" tests/abi_check.py "$LIB" include/gonixl.h
   log "pytest tests/python"
   "$PY" -m pytest -q -ra tests/python
+}
+
+## test-fast: build, then Go tests, ABI check and pytest tests/python (no vLLM servers)
+cmd_test_fast() {
+  cmd_build
+  unit_tests
+}
+
+# wheel_platform SO: the manylinux platform tag a wheel holding SO may
+# claim: x86-64, nothing linked but glibc's own libraries, and the newest
+# glibc symbol version SO uses.
+wheel_platform() {
+  local so="$1" n glibc
+  objdump -f "$so" | grep -q 'architecture: i386:x86-64' || die "$so is not an x86-64 library"
+  for n in $(objdump -p "$so" | awk '$1 == "NEEDED" {print $2}'); do
+    case "$n" in
+      libc.so.6 | libm.so.6 | libpthread.so.0 | libdl.so.2 | librt.so.1 | ld-linux-x86-64.so.2) ;;
+      *) die "$so links $n, which manylinux does not provide" ;;
+    esac
+  done
+  glibc="$(objdump -T "$so" | grep -o 'GLIBC_[0-9]*\.[0-9]*' | sort -uV | tail -n1)"
+  [ -n "$glibc" ] || die "$so uses no versioned glibc symbol"
+  glibc="${glibc#GLIBC_}"
+  echo "manylinux_${glibc%%.*}_${glibc#*.}_x86_64"
+}
+
+# build_wheel: dist/gonixl-VERSION-py3-none-PLATFORM.whl from pybridge/ with
+# the libgonixl.so that cmd_build copied there; sets WHEEL to its path.
+build_wheel() {
+  local plat whl
+  plat="$(wheel_platform "$LIB")"
+  cmp -s "$LIB" pybridge/gonixl/libgonixl.so || die "pybridge/gonixl/libgonixl.so is not $LIB: run ./build.sh build"
+  mkdir -p "$DIST"
+  rm -f "$DIST"/gonixl-*.whl
+  log "pip wheel ./pybridge -> dist/ ($plat)"
+  # The package is Python plus a ctypes-loaded library (no CPython
+  # extension): any Python 3, no ABI, one platform.
+  "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DIST" \
+    --config-settings=--build-option=--plat-name="$plat" ./pybridge
+  rm -rf pybridge/build pybridge/*.egg-info
+  whl="$DIST/gonixl-$VERSION-py3-none-$plat.whl"
+  [ -f "$whl" ] || die "pip wheel did not write $whl (dist/: $(ls "$DIST"))"
+  "$PY" - "$whl" "$LIB" <<'PYEOF' || die "$whl does not hold the library just built"
+import sys, zipfile
+whl, lib = sys.argv[1:]
+with zipfile.ZipFile(whl) as z, open(lib, "rb") as f:
+    names = set(z.namelist())
+    assert {"gonixl/libgonixl.so", "gonixl/py.typed", "gonixl/vllm.py"} <= names, sorted(names)
+    assert z.read("gonixl/libgonixl.so") == f.read()
+PYEOF
+  WHEEL="$whl"
+}
+
+## wheel: build dist/gonixl-*.whl (libgonixl.so inside), install it in a scratch venv and test it
+cmd_wheel() {
+  cmd_build
+  build_wheel
+  bash tests/wheel/test_wheel.sh "$WHEEL"
+  log "built ${WHEEL#"$ROOT"/}"
+}
+
+## test: everything CI runs (setup, check and build first)
+cmd_test() {
+  cmd_setup
+  cmd_check
+  cmd_build
+  unit_tests
+  # The wheel, installed in a scratch venv, loads its own library and
+  # moves KV between two connectors.
+  build_wheel
+  bash tests/wheel/test_wheel.sh "$WHEEL"
   # End to end with real vLLM (slow on 2 cores: a few minutes each).
   # tests/e2e/stock_nixl_pd.sh measures vLLM's own connector; it is a
   # reference run, not part of CI.
@@ -170,7 +290,8 @@ main() {
   local sub="${1:-help}"
   shift || true
   case "$sub" in
-    setup | build | test | demo | soak | fuzz | help) "cmd_$sub" "$@" ;;
+    setup | build | check | test | demo | soak | fuzz | wheel | help) "cmd_$sub" "$@" ;;
+    test-fast) cmd_test_fast "$@" ;;
     *) cmd_help >&2; die "unknown subcommand: $sub" ;;
   esac
 }

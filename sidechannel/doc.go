@@ -65,8 +65,7 @@
 // # Imports
 //
 // The standard library and go.uber.org/zap only (the layering rule also
-// allows zmq4 and msgpack/v5; tests use msgpack/v5 as an independent
-// decoder). It never imports nixl, shim, capi or proxy.
+// allows msgpack/v5, which the tests use as an independent decoder). It never imports nixl, shim, capi or proxy.
 //
 // # Concurrency
 //

@@ -48,7 +48,7 @@ var rules = []rule{
 	{prefix: "nixl/nixltest", internal: []string{"nixl"}, unsafe: true},
 	{prefix: "nixl/internal/", internal: []string{"nixl", "nixl/internal/..."}, unsafe: true},
 	{prefix: "nixl", internal: nil},
-	{prefix: "sidechannel", internal: nil, external: concat(logging, []string{"github.com/go-zeromq/zmq4", "github.com/vmihailenco/msgpack/v5"})},
+	{prefix: "sidechannel", internal: nil, external: concat(logging, []string{"github.com/vmihailenco/msgpack/v5"})},
 	{prefix: "proxy", internal: nil, external: concat(logging, metrics)},
 	{prefix: "cmd/gonixl-proxy", internal: []string{"proxy"}, external: concat(logging, metrics)},
 	{prefix: "cmd/gonixl-bench", internal: []string{"nixl", "nixl/..."}, external: concat(logging, metrics)},

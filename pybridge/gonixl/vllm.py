@@ -23,7 +23,7 @@ import json
 import os
 import platform
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 
@@ -244,6 +244,7 @@ def _layer_specs(kv_cache_config: "KVCacheConfig") -> dict[str, tuple[int, str, 
 
 def _config_json(vllm_config: VllmConfig, role: str, kv_cache_config: Optional["KVCacheConfig"] = None) -> bytes:
     ktc = vllm_config.kv_transfer_config
+    assert ktc is not None  # vLLM builds a connector only from a kv_transfer_config
     pc = vllm_config.parallel_config
     from vllm import envs
 
@@ -420,9 +421,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             groups = tuple(self.kv_cache_config.select_transfer_block_ids(blocks.get_unhashed_block_ids_all_groups()))
         # Blocks of the local prefix-cache hit, per transfer group (the Go
         # side checks the remote block list against cached + new blocks).
-        computed = self.kv_cache_config.select_transfer_block_ids(
-            [sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks]
-        )
+        # select_transfer_block_ids picks one entry per transfer group,
+        # whatever the entries are: vLLM annotates them as block-id lists,
+        # here they are counts.
+        counts: Any = [sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks]
+        computed = cast("tuple[int, ...]", self.kv_cache_config.select_transfer_block_ids(counts))
         ids, n, lens, ng = _flatten_groups(groups)
         comp = (ctypes.c_int64 * len(computed))(*computed)
         mutated = ctypes.c_int32(0)
@@ -444,7 +447,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             num_external_tokens,
             ctypes.byref(mutated),
         )
-        if ok and mutated.value:
+        if ok and mutated.value and request.kv_transfer_params is not None:  # never None: pj came from it
             # Mirror vLLM: the request's params now say the remote blocks
             # were taken care of.
             request.kv_transfer_params["do_remote_prefill"] = False
