@@ -471,6 +471,21 @@ func gonixl_worker_close(h C.gonixl_worker_t, cerr *C.gonixl_error_t) C.gonixl_s
 // that have GONIXL_TEST_HOOKS=1 in their environment when the library loads.
 var testHooks = envSynced && os.Getenv("GONIXL_TEST_HOOKS") == "1"
 
+//export gonixl_live_objects
+func gonixl_live_objects(buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return guard(cerr, func() error {
+		b, err := json.Marshal(map[string]int{
+			"schedulers":      handles.count(kindScheduler),
+			"workers":         handles.count(kindWorker),
+			"pending_results": pendingCount(),
+		})
+		if err != nil {
+			return err
+		}
+		return writeOut(buf, lenp, b)
+	})
+}
+
 //export gonixl_debug_panic
 func gonixl_debug_panic(cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return guard(cerr, func() error {

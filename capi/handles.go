@@ -100,4 +100,17 @@ func (t *handleTable) len() int {
 	return len(t.objs)
 }
 
+// count returns the number of open handles of kind k.
+func (t *handleTable) count(k handleKind) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n := 0
+	for h := range t.objs {
+		if handleKind(h>>kindShift) == k {
+			n++
+		}
+	}
+	return n
+}
+
 var handles = newHandleTable()

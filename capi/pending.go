@@ -52,6 +52,13 @@ func consume(key pendingKey, buf *C.char, lenp *C.size_t, produce func() ([]byte
 	return err
 }
 
+// pendingCount is the number of parked results.
+func pendingCount() int {
+	pendingMu.Lock()
+	defer pendingMu.Unlock()
+	return len(pending)
+}
+
 // dropPending forgets parked results of a closed handle.
 func dropPending(handle uint64) {
 	pendingMu.Lock()

@@ -218,6 +218,12 @@ gonixl_status_t gonixl_worker_live(gonixl_worker_t h, char *buf, size_t *len,
 /* Stops the worker (in-flight transfers, agent) and frees the handle. */
 gonixl_status_t gonixl_worker_close(gonixl_worker_t h, gonixl_error_t *err);
 
+/* The library's live objects, as JSON {"schedulers":n,"workers":n,
+ * "pending_results":n}: open handles of each kind and results parked after a
+ * GONIXL_ERR_BUFFER_TOO_SMALL and not yet collected. Test suites end by
+ * asserting all are 0. Size-negotiated. */
+gonixl_status_t gonixl_live_objects(char *buf, size_t *len, gonixl_error_t *err);
+
 /* Test hook: panics inside the library when the process was started with
  * GONIXL_TEST_HOOKS=1, to exercise the panic guard; otherwise returns
  * GONIXL_ERR_NOT_SUPPORTED and does nothing. */

@@ -29,6 +29,14 @@ def library_version() -> str:
     return _lib.call_bytes("gonixl_version").decode()
 
 
+def live_objects() -> dict:
+    """The library's open scheduler and worker handles and parked results
+    (test suites end by asserting all are 0). Loads the library."""
+    from . import _lib
+
+    return json.loads(_lib.call_bytes("gonixl_live_objects"))
+
+
 def probe() -> dict:
     """What the library finds on this host: version and transfer engines."""
     from . import _lib

@@ -127,6 +127,8 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     ("gonixl_worker_live", status_t, [handle_t, buf, size_p, error_p]),
     # gonixl_status_t gonixl_worker_close(gonixl_worker_t h, gonixl_error_t *err);
     ("gonixl_worker_close", status_t, [handle_t, error_p]),
+    # gonixl_status_t gonixl_live_objects(char *buf, size_t *len, gonixl_error_t *err);
+    ("gonixl_live_objects", status_t, [buf, size_p, error_p]),
     # gonixl_status_t gonixl_debug_panic(gonixl_error_t *err);
     ("gonixl_debug_panic", status_t, [error_p]),
 ]

@@ -13,3 +13,17 @@ def lib_path() -> str:
     if not os.path.exists(p):
         pytest.fail(f"libgonixl.so not found at {p}: run ./build.sh build")
     return p
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_live_objects_at_the_end():
+    """The run ends with every scheduler and worker handle closed and no
+    parked result left in the library this process loaded (tests that use
+    the library in child processes check their own)."""
+    yield
+    from gonixl import _lib, live_objects
+
+    if not _lib.is_loaded():
+        return
+    left = live_objects()
+    assert left == {"schedulers": 0, "workers": 0, "pending_results": 0}, f"left open at the end of the run: {left}"
