@@ -23,6 +23,10 @@
 #                           GONIXL_INTEROP_REQUEST_TIMEOUT (120 s): see test_interop.py
 #   GONIXL_E2E_LOGS         log folder (default tests/e2e/logs/interop)
 #   GONIXL_E2E_TIMEOUT      seconds to wait for the servers (600)
+#   GONIXL_INTEROP_LEASE    kv_lease_duration of every instance, stock and gonixl (120 s):
+#                           the matrix tests wire compatibility, not leases (the fault suite
+#                           does); on 2 loaded cores a request can wait in the decode's queue
+#                           past vLLM's 30 s default, and its READ is then rightly refused
 set -euo pipefail
 
 E2E_NAME=run_interop_test
@@ -63,8 +67,13 @@ done
 # VLLM_SERVER_DEV_MODE=1 serves /reset_prefix_cache, which test_interop.py
 # calls between combinations.
 declare -A PORT SIDE
+LEASE="${GONIXL_INTEROP_LEASE:-120}"
 kv_config() { # kind role
-  if [ "$1" = go ]; then gonixl_kv_config "$2" nixl; else stock_kv_config "$2"; fi
+  if [ "$1" = go ]; then
+    gonixl_kv_config_extra "$2" nixl "\"kv_lease_duration\":$LEASE"
+  else
+    stock_kv_config "$2" | sed "s/}\$/,\"kv_connector_extra_config\":{\"kv_lease_duration\":$LEASE}}/"
+  fi
 }
 for c in "${COMBOS[@]}"; do
   for inst in "prefill-${c%-*}" "decode-${c#*-}"; do
