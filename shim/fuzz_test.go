@@ -7,6 +7,7 @@ import (
 	"math"
 	"math/big"
 	"reflect"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -1129,4 +1130,60 @@ func TestSchedulerAsyncImpliesRead(t *testing.T) {
 			t.Errorf("%s %s: %d tokens async, but no READ scheduled", c.kvRole, c.params, n)
 		}
 	}
+}
+
+// Step metadata that announces more than it holds, or nests without end,
+// is refused before the msgpack library sees it: it would allocate what a
+// header announces (4 GiB from 5 bytes) and recurse into unknown fields
+// without a depth limit (a fatal stack overflow). Found by
+// FuzzDecodeStepMeta (its worker hung allocating).
+func TestStepMetaBoundedDecode(t *testing.T) {
+	deep := []byte{0x82, 0xa1, 'v', 0x01, 0xa1, 'x'}
+	for i := 0; i < 200000; i++ {
+		deep = append(deep, 0x91)
+	}
+	deep = append(deep, 0xc0)
+	// {"v": 1, "m": {"<field>": <header>}}: a known field, so the library
+	// decodes (and sizes) it rather than skipping it.
+	field := func(name string, header ...byte) []byte {
+		b := []byte{0x82, 0xa1, 'v', 0x01, 0xa1, 'm', 0x81, byte(0xa0 | len(name))}
+		return append(append(b, name...), header...)
+	}
+	cases := map[string][]byte{
+		"reqs_in_batch: array32 of 4G strings": field("reqs_in_batch", 0xdd, 0xff, 0xff, 0xff, 0xff),
+		"reqs_to_send: map32 of 2G pairs":      field("reqs_to_send", 0xdf, 0x7f, 0xff, 0xff, 0xff),
+		"reqs_to_recv: array16 header":         field("reqs_to_recv", 0xdc, 0xff, 0xff),
+		"array32 of 4G entries":                {0x82, 0xa1, 'v', 0x01, 0xa1, 'x', 0xdd, 0xff, 0xff, 0xff, 0xff},
+		"bin32 of 4 GiB":                       {0x82, 0xa1, 'v', 0x01, 0xa1, 'x', 0xc6, 0xff, 0xff, 0xff, 0xf0},
+		"ext32 of 3.4 GB":                      {0x82, 0xa1, 'v', 0x01, 0xa1, 'x', 0xc9, 0xc9, 0xc9, 0xc9, 0xc9, 0x01},
+		"map32 of 2G pairs":                    {0x82, 0xa1, 'v', 0x01, 0xa1, 'x', 0xdf, 0x7f, 0xff, 0xff, 0xff},
+		"200,000 nested arrays":                deep,
+		"truncated":                            {0x82, 0xa1, 'v'},
+		"trailing bytes":                       append(fzValidStepMeta(t), 0xc0),
+	}
+	for name, b := range cases {
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		m, err := DecodeStepMeta(b)
+		runtime.ReadMemStats(&after)
+		if err == nil || m != nil {
+			t.Errorf("%s: accepted (%v)", name, m)
+		}
+		if d := after.TotalAlloc - before.TotalAlloc; d > 8<<20 {
+			t.Errorf("%s: decoding allocated %d bytes", name, d)
+		}
+	}
+	if _, err := DecodeStepMeta(fzValidStepMeta(t)); err != nil {
+		t.Fatalf("valid metadata refused: %v", err)
+	}
+}
+
+func fzValidStepMeta(t *testing.T) []byte {
+	t.Helper()
+	m := &StepMeta{ReqsToRecv: map[string]*RecvReq{"r": {LocalBlockIDs: BlockIDs{{1, 2}}, Remote: RemoteMeta{EngineID: "e", BlockIDs: BlockIDs{{3, 4}}}}}}
+	b, err := m.Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }

@@ -70,6 +70,9 @@ func (m *StepMeta) Encode() ([]byte, error) {
 
 // DecodeStepMeta parses metadata made by Encode. Garbage is an error.
 func DecodeStepMeta(b []byte) (*StepMeta, error) {
+	if err := checkMsgpack(b, maxStepMetaDepth); err != nil {
+		return nil, fmt.Errorf("step metadata: %w", err)
+	}
 	var env stepEnvelope
 	if err := msgpack.Unmarshal(b, &env); err != nil {
 		return nil, fmt.Errorf("step metadata: %w", err)
