@@ -503,6 +503,7 @@ def test_d_read_to_frozen_prefill(env):
     tallies = {p: summary.tally(f"d READ to frozen prefill -> decode-{p}") for p in POLICIES}
     pending = list(POLICIES)
     stuck_seen: dict[str, bool] = {}
+    completed: dict[str, bool] = {}  # every attempt's READ completed despite the freeze
     for attempt in range(1, D_ATTEMPTS + 1):
         got, frozen_s = _frozen_read_attempt(env, pending)
         for policy, (ex, o, log, sent_after) in got.items():
@@ -515,6 +516,17 @@ def test_d_read_to_frozen_prefill(env):
             # Never a wrong answer, and bounded, whatever path was taken.
             assert kind != "wrong", f"decode-{policy}: wrong output {o.text!r}, baseline {base(ex.prompt)!r}"
             resume_t = o.started - sent_after + frozen_s
+            if kind == "correct" and not kinds:
+                # The READ completed with the prefill frozen, and the answer
+                # is right: UCX served it over a path that needed nothing
+                # from the peer (seen once, in a fresh-clone CI run; likely
+                # zero-copy CMA, which reads a stopped process's memory).
+                # Not the frozen-READ path: try again with another prompt.
+                t.notes.append(f"attempt {attempt}: the READ completed with the prefill frozen (a transport that needs no progress on the peer); correct")
+                if attempt == D_ATTEMPTS:
+                    completed[policy] = True
+                    pending.remove(policy)
+                continue
             stuck = "transfer_release_failed" in log
             if stuck:
                 stuck_seen[policy] = True
@@ -572,6 +584,11 @@ def test_d_read_to_frozen_prefill(env):
     t = summary.tally("d afterwards (prefill resumed): pairs serve")
     for policy in POLICIES:
         pd_serves(env, policy, t, n=2)
+    if completed:
+        pytest.skip(
+            f"d: for {sorted(completed)} every READ completed with the prefill frozen ({D_ATTEMPTS} attempts, all answers correct): "
+            "the transport needed no progress from the peer, so a READ that never completes could not be made here"
+        )
 
 
 # ---------------------------------------------------------------------------
