@@ -534,68 +534,40 @@ static long elapsed_ms(const struct timespec *t0)
 
 int gx_ep_flush(gx_agent *a, gx_ep *e, int timeout_ms)
 {
-    ucp_request_param_t p;
-    ucs_status_ptr_t sp;
-    ucs_status_t st;
+    void *req;
     struct timespec t0;
+    int rc = gx_ep_flush_start(a, e, &req);
 
-    if (e == NULL || e->closed) {
-        return 0;
-    }
-    if (__atomic_load_n(&e->failed, __ATOMIC_ACQUIRE)) {
-        return GX_ERR_EP_FAILED;
-    }
-    memset(&p, 0, sizeof(p));
-    sp = G.ep_flush_nbx(e->ep, &p);
-    if (sp == NULL) {
-        return 0;
-    }
-    if (UCS_PTR_IS_ERR(sp)) {
-        return UCS_PTR_STATUS(sp);
+    if (rc != 1) {
+        return rc;
     }
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    while ((st = G.request_check_status(sp)) == UCS_INPROGRESS) {
-        G.worker_progress(a->worker);
+    while ((rc = gx_req_poll(a, &req)) == 1) {
         if (elapsed_ms(&t0) > timeout_ms) {
-            G.request_free(sp);
+            gx_req_abandon(&req);
             return 1;
         }
     }
-    G.request_free(sp);
-    return st == UCS_OK ? 0 : (int)st;
+    return rc;
 }
 
 void gx_ep_close(gx_agent *a, gx_ep *e, int force, int timeout_ms)
 {
-    ucp_request_param_t p;
-    ucs_status_ptr_t sp;
+    void *req;
     struct timespec t0;
 
-    if (e == NULL || e->closed) {
-        return;
-    }
-    e->closed = 1;
-    memset(&p, 0, sizeof(p));
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags =
-        (force || __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE)) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    sp = G.ep_close_nbx(e->ep, &p);
-    if (sp == NULL || UCS_PTR_IS_ERR(sp)) {
+    if (gx_ep_close_start(a, e, force, &req) != 1) {
         return;
     }
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (;;) {
-        G.worker_progress(a->worker);
-        if (G.request_check_status(sp) != UCS_INPROGRESS) {
-            break;
-        }
+    while (gx_req_poll(a, &req) == 1) {
         if (elapsed_ms(&t0) > timeout_ms) {
             /* The peer does not answer the close handshake: give the request
              * back; worker destruction reclaims the endpoint. */
-            break;
+            gx_req_abandon(&req);
+            return;
         }
     }
-    G.request_free(sp);
 }
 
 int gx_ep_flush_start(gx_agent *a, gx_ep *e, void **req)
