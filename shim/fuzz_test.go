@@ -405,7 +405,8 @@ func fzWorker(t *testing.T, cfg *Config, layers []LayerTensor) (*Worker, *fzAgen
 	a := &fzAgent{t: t}
 	w.agent, w.layout = a, layout
 	w.localList = &fzList{n: len(layout.Regions) * tNumBlocks}
-	w.remotes[fzRemoteEngine] = &remoteEngine{id: fzRemoteEngine, agent: "fz-remote", list: &fzList{n: len(layout.Regions) * fzRemoteBlocks, agent: "fz-remote"},
+	w.remotes[fzRemoteEngine] = &remoteEngine{id: fzRemoteEngine, plan: samePlan(),
+		ranks:     []*remoteRank{{agent: "fz-remote", list: &fzList{n: len(layout.Regions) * fzRemoteBlocks, agent: "fz-remote"}}},
 		numBlocks: fzRemoteBlocks, regions: len(layout.Regions), host: fzRemoteHost, port: fzRemotePort, lastUsed: 1000}
 	return w, a, clock
 }
@@ -954,7 +955,7 @@ func checkLayout(t *testing.T, l *KVLayout) {
 
 // FuzzRemoteAgentMetadata decodes a handshake's agent metadata as the worker
 // does and checks it against this worker's layout. Accepted metadata must
-// describe exactly this worker's regions (addRemoteLocked indexes them by
+// describe exactly this worker's regions (prepareRemote indexes them by
 // the local region list).
 func FuzzRemoteAgentMetadata(f *testing.F) {
 	fzQuiet()
@@ -1001,7 +1002,7 @@ func FuzzRemoteAgentMetadata(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if err := checkRemoteLayout(local, tBlockSize, "NHD", "CPU_ATTN", mine, md); err != nil {
+		if err := checkRemoteLayout(local, tBlockSize, "NHD", "CPU_ATTN", mine, samePlan(), md); err != nil {
 			return
 		}
 		n := len(local.Regions)
@@ -1018,16 +1019,12 @@ func FuzzRemoteAgentMetadata(f *testing.F) {
 
 // TestRemoteNumBlocksBound: a remote engine that advertises num_blocks =
 // 2^31 (with this engine's layer names, block lengths and strides, which
-// are public) passes checkRemoteLayout and addRemoteLocked's num_blocks
-// check, and addRemoteLocked then builds len(regions) x 2^31 descriptors:
-// 206 GB here, "fatal error: out of memory" (not a recoverable panic). Any
-// client can point a decode at such a peer through remote_host/remote_port.
-// Skipped until addRemoteLocked (shim/worker.go) bounds
-// len(md.KVCachesBaseAddr) * md.NumBlocks by math.MaxInt32 before
-// layoutDescs, as pairBlocks does; remove the Skip with that fix (run
-// before it, the test dies of the allocation).
+// are public) passed checkRemoteLayout and the num_blocks check, and the
+// worker then built len(regions) x 2^31 descriptors: 206 GB here, "fatal
+// error: out of memory" (not a recoverable panic). Any client can point a
+// decode at such a peer through remote_host/remote_port. prepareRemote now
+// bounds the descriptors a peer may make it build (maxRemoteDescs).
 func TestRemoteNumBlocksBound(t *testing.T) {
-	t.Skip("known bug in shim/worker.go addRemoteLocked (unbounded descriptor allocation from a remote num_blocks); see the comment")
 	fzQuiet()
 	w, _, _ := fzWorker(t, fzConfig(t, RoleWorker, "kv_consumer", nil, nil), fzLayers([]*int{nil, nil}, []string{"", ""}, 0))
 	am := sidechannel.NewAgentMetadata()
@@ -1043,8 +1040,8 @@ func TestRemoteNumBlocksBound(t *testing.T) {
 	}
 	w.blockSize, w.kvLayout, w.attnBackend = tBlockSize, "NHD", "CPU_ATTN"
 	res := &sidechannel.Result{Agents: map[sidechannel.Rank]*sidechannel.AgentMetadata{{}: md}}
-	if _, err := w.addRemoteLocked("evil", "127.0.0.1", 1, res); err == nil {
-		t.Fatal("a remote engine with 2^31 blocks x 4 regions was accepted")
+	if _, err := w.prepareRemote("evil", "127.0.0.1", 1, samePlan(), res); err == nil || !strings.Contains(err.Error(), "more descriptors") {
+		t.Fatalf("a remote engine with 2^31 blocks x 4 regions: %v", err)
 	}
 }
 

@@ -77,6 +77,8 @@ func (w *Worker) geometryOf(layout *KVLayout) kvGeometry {
 			return v
 		case float64:
 			return int64(v)
+		case int:
+			return int64(v)
 		}
 		return 0
 	}
@@ -111,7 +113,12 @@ func fillRegionIdentity(am *sidechannel.AgentMetadata, layout *KVLayout) {
 // per-block geometry, same groups, same cache layout and block size — and
 // anything gonixl cannot transfer is refused. The error names the first
 // difference. mine is this worker's geometry.
-func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend string, mine kvGeometry, md *sidechannel.AgentMetadata) error {
+//
+// plan is this worker's TP mapping onto the remote engine: block lengths
+// are compared through it (a remote rank of another TP size holds more or
+// fewer heads per block), and a head-sliced read needs a layout whose
+// blocks keep their heads contiguous.
+func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend string, mine kvGeometry, plan tpPlan, md *sidechannel.AgentMetadata) error {
 	n := len(local.Regions)
 	if md.RegionNames == nil {
 		return fmt.Errorf("sent no region_names, so which layer each of its %d regions holds cannot be checked", len(md.BlockLens))
@@ -148,6 +155,10 @@ func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend s
 	if md.KVCacheLayout != kvLayout {
 		return fmt.Errorf("has KV-cache layout %q, this engine %q", md.KVCacheLayout, kvLayout)
 	}
+	if plan.headSliced() && !blockContiguous(kvLayout) {
+		return fmt.Errorf("runs tp_size %d against this engine's %d, which needs each block's KV heads contiguous, but the KV-cache layout is %q (use a block-contiguous layout such as LBHNC)",
+			plan.remoteTP, plan.localTP, kvLayout)
+	}
 	if md.AttnBackendName != attnBackend {
 		return fmt.Errorf("uses attention backend %q, this engine %q (their KV-cache layouts differ)", md.AttnBackendName, attnBackend)
 	}
@@ -168,8 +179,16 @@ func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend s
 		if name != r.Layer {
 			return fmt.Errorf("region %d holds layer %q, this engine's region %d holds %q (layer order or model differs)", i, name, i, r.Layer)
 		}
-		if uint64(md.BlockLens[i]) != r.Len || md.BlockLens[i] <= 0 {
-			return fmt.Errorf("region %d (%s) has block length %d bytes, this engine %d (dtype, heads or head size differ)", i, name, md.BlockLens[i], r.Len)
+		want, err := plan.remoteBlockLen(r.Len)
+		if err != nil {
+			return fmt.Errorf("region %d (%s): %w", i, name, err)
+		}
+		if uint64(md.BlockLens[i]) != want || md.BlockLens[i] <= 0 {
+			if plan.ratio == 1 {
+				return fmt.Errorf("region %d (%s) has block length %d bytes, this engine %d (dtype, heads or head size differ)", i, name, md.BlockLens[i], r.Len)
+			}
+			return fmt.Errorf("region %d (%s) has block length %d bytes, where %d are expected for its tp_size %d against this engine's %d bytes at tp_size %d (dtype, heads or head size differ)",
+				i, name, md.BlockLens[i], want, plan.remoteTP, r.Len, plan.localTP)
 		}
 		if md.BlockStrides[i] < md.BlockLens[i] {
 			return fmt.Errorf("region %d (%s): block stride %d < block length %d", i, name, md.BlockStrides[i], md.BlockLens[i])
@@ -186,6 +205,12 @@ func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend s
 		if err := json.Unmarshal([]byte(md.Geometry), &theirs); err != nil {
 			return fmt.Errorf("sent unreadable gonixl_geometry: %w", err)
 		}
+		// The TP sizes are the plan's business (block lengths, above); the
+		// remote's own word must match the tp_size the plan was made for.
+		if theirs.TPSize != 0 && theirs.TPSize != plan.remoteTP {
+			return fmt.Errorf("runs tp_size %d, but the request's kv_transfer_params say %d", theirs.TPSize, plan.remoteTP)
+		}
+		theirs.TPSize = mine.TPSize
 		if d := firstGeometryDifference(theirs, mine); d != "" {
 			return fmt.Errorf("differs in %s", d)
 		}

@@ -209,7 +209,7 @@ func TestHandshakeIdentityCheck(t *testing.T) {
 			mut(&m)
 		}
 		w := d.work
-		return checkRemoteLayout(w.layout, w.blockSize, w.kvLayout, w.attnBackend, w.geometryOf(w.layout), &m)
+		return checkRemoteLayout(w.layout, w.blockSize, w.kvLayout, w.attnBackend, w.geometryOf(w.layout), samePlan(), &m)
 	}
 	if err := check(nil); err != nil {
 		t.Fatalf("same geometry refused: %v", err)

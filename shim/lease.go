@@ -139,8 +139,15 @@ func (w *Worker) sendHeartbeatsLocked(hbs map[string]*HeartbeatInfo) {
 		w.touchRemoteLocked(re)
 		msg := heartbeatNotif(info.ReqIDs)
 		sent := w.clock()
-		if err := w.agent.SendNotif(re.agent, msg); err != nil {
-			w.log.Debug("heartbeat send failed", zap.String("remote_engine_id", eng), zap.Error(err))
+		// Every remote rank holds the request's blocks under its own lease.
+		sentAll := true
+		for _, a := range re.agents() {
+			if err := w.agent.SendNotif(a, msg); err != nil {
+				w.log.Debug("heartbeat send failed", zap.String("remote_engine_id", eng), zap.String("remote_agent", a), zap.Error(err))
+				sentAll = false
+			}
+		}
+		if !sentAll {
 			continue
 		}
 		// The prefill extends a lease it still holds to at least (its

@@ -102,7 +102,14 @@ func (w *Worker) readLocked(st *recvState) {
 	st.waiting = false
 	st.remote = re
 	w.touchRemoteLocked(re)
-	notif := doneNotif(rm.RequestID, 1) // one reader per prefill rank (TP = 1)
+	if st.meta.TPSize != re.plan.remoteTP {
+		w.stats.RecordFailedTransfer()
+		w.failLocked(st, "transfer_setup_failed", fmt.Sprintf("kv_transfer_params say tp_size %d, but engine %s was handshaken with tp_size %d", st.meta.TPSize, re.id, re.plan.remoteTP), nil)
+		return
+	}
+	// vLLM's "<req>:<consumers>": how many decode ranks notify each
+	// prefill rank (tpmap.go).
+	notif := doneNotif(rm.RequestID, re.plan.consumers)
 	local, remote, err := w.pairBlocks(st.meta, re)
 	if err != nil {
 		w.stats.RecordFailedTransfer()
@@ -112,10 +119,7 @@ func (w *Worker) readLocked(st *recvState) {
 	if len(local) == 0 {
 		// Full local prefix hit or abort before scheduling: tell the
 		// prefill it can free its blocks now.
-		if err := w.agent.SendNotif(re.agent, notif); err != nil {
-			w.stats.RecordFailedNotification()
-			w.logFailure("notification_failed", st, "P worker blocks will be freed after timeout. This may indicate network issues.", err)
-		}
+		w.notifyRanksLocked(st, re, notif, nil, "P worker blocks will be freed after timeout. This may indicate network issues.")
 		return
 	}
 	if left := w.leaseLeft(st); left < w.leaseMargin {
@@ -125,28 +129,56 @@ func (w *Worker) readLocked(st *recvState) {
 			left, w.leaseMargin, w.leaseDetail(st)), nil)
 		// Nothing will be read: let the prefill free the blocks now rather
 		// than at its lease's end.
-		if err := w.agent.SendNotif(re.agent, notif); err != nil {
-			w.stats.RecordFailedNotification()
-		}
+		w.notifyRanksLocked(st, re, notif, nil, "")
 		return
 	}
 	lidx := regionDescIDs(w.layout.Regions, w.layout.NumBlocks, local)
 	ridx := regionDescIDs(w.layout.Regions, re.numBlocks, remote)
-	x, err := w.agent.MakeXfer(nixl.Read, w.localList, lidx, re.list, ridx, notif)
-	if err != nil {
-		w.stats.RecordFailedTransfer()
-		w.failLocked(st, "transfer_setup_failed", "", err)
-		return
+	read := map[string]bool{}
+	// One READ per remote rank read, each carrying its notification.
+	for _, rr := range re.ranks {
+		if rr.list == nil {
+			continue
+		}
+		localList := w.localList
+		if re.plan.nSlots > 1 {
+			localList = w.slotLists[re.plan.nSlots][rr.slot]
+		}
+		x, err := w.agent.MakeXfer(nixl.Read, localList, lidx, rr.list, ridx, notif)
+		if err != nil {
+			w.stats.RecordFailedTransfer()
+			w.failLocked(st, "transfer_setup_failed", fmt.Sprintf("remote tp_rank %d", rr.tp), err)
+			return
+		}
+		if _, err := x.Post(); err != nil {
+			_ = x.Release()
+			w.stats.RecordFailedTransfer()
+			w.failLocked(st, "transfer_failed", fmt.Sprintf("remote tp_rank %d", rr.tp), err)
+			w.dropRemoteOnDisconnect(re, err)
+			return
+		}
+		read[rr.agent] = true
+		now := w.clock()
+		st.xfers = append(st.xfers, &inflight{x: x, posted: now, deadline: now + w.cfg.TransferTimeout})
 	}
-	if _, err := x.Post(); err != nil {
-		_ = x.Release()
-		w.stats.RecordFailedTransfer()
-		w.failLocked(st, "transfer_failed", "", err)
-		w.dropRemoteOnDisconnect(re, err)
-		return
+	// Ranks handshaken with but not read (MLA's single reader, duplicate
+	// GQA heads) are told now that this decode rank is done with them.
+	w.notifyRanksLocked(st, re, notif, read, "Remote rank will not update request state. This may indicate network issues.")
+}
+
+// notifyRanksLocked sends notif to every rank of re not in skip.
+func (w *Worker) notifyRanksLocked(st *recvState, re *remoteEngine, notif []byte, skip map[string]bool, failMsg string) {
+	for _, rr := range re.ranks {
+		if skip[rr.agent] {
+			continue
+		}
+		if err := w.agent.SendNotif(rr.agent, notif); err != nil {
+			w.stats.RecordFailedNotification()
+			if failMsg != "" {
+				w.logFailure("notification_failed", st, fmt.Sprintf("%s (remote tp_rank %d)", failMsg, rr.tp), err)
+			}
+		}
 	}
-	now := w.clock()
-	st.xfers = append(st.xfers, &inflight{x: x, posted: now, deadline: now + w.cfg.TransferTimeout})
 }
 
 // pairBlocks validates and pairs local and remote block ids, group by

@@ -59,6 +59,7 @@ type Worker struct {
 	agent          nixl.Agent
 	layout         *KVLayout
 	localList      nixl.DescList
+	slotLists      map[int][]nixl.DescList // local blocks split in n slots (tpmap.go), by n
 	payload        []byte
 	compatHash     string
 	hs             *sidechannel.Client
@@ -105,6 +106,7 @@ func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
 		prom:       prom,
 		stats:      newStats(prom),
 		remotes:    map[string]*remoteEngine{},
+		slotLists:  map[int][]nixl.DescList{},
 		handshakes: map[string]*handshakeState{},
 		recv:       map[string]*recvState{},
 		invalid:    map[int64]struct{}{},
@@ -344,7 +346,16 @@ func (w *Worker) Close() error {
 		}
 	}
 	for _, re := range w.remotes {
-		_ = re.list.Release()
+		for _, r := range re.ranks {
+			if r.list != nil {
+				_ = r.list.Release()
+			}
+		}
+	}
+	for _, lists := range w.slotLists {
+		for _, l := range lists {
+			_ = l.Release()
+		}
 	}
 	if w.localList != nil {
 		_ = w.localList.Release()
