@@ -3,7 +3,9 @@ package shim
 import (
 	"bytes"
 	"fmt"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/nixl/nixltest"
@@ -218,5 +220,90 @@ func TestTensorParallelTransfers(t *testing.T) {
 		t.Run(fmt.Sprintf("P%d-D%d-heads%d%s", c.p, c.d, c.heads, c.kind), func(t *testing.T) {
 			tpTransfer(t, c.p, c.d, c.heads, c.kind)
 		})
+	}
+}
+
+// TestFirstContactDoesNotStallOtherReads: while the descriptor lists for a
+// new prefill engine are being prepared (held here for as long as the test
+// likes), a READ from another engine completes, and the worker's calls
+// from vLLM's model thread (start_load_kv, get_finished) return at once.
+func TestFirstContactDoesNotStallOtherReads(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	gate, entered := make(chan struct{}), make(chan struct{}, 1)
+	eng.SetScript(nixltest.Script{Polls: 20, PrepHook: func(remote string, n int) {
+		if strings.HasPrefix(remote, "engine-p2-") {
+			entered <- struct{}{}
+			<-gate
+		}
+	}})
+	p1 := newSide(t, eng, "kv_producer", "engine-p1", nil, 1, nil)
+	p2 := newSide(t, eng, "kv_producer", "engine-p2", nil, 50, nil)
+	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
+	defer func() {
+		select {
+		case <-gate:
+		default:
+			close(gate)
+		}
+	}()
+
+	load := func(p *side, preq, dreq string, pb, db []int64) {
+		out := prefill(t, p, preq, pb, 12)
+		dp := mustParams(t, string(out))
+		d.sched.OnNewRequest(dreq, dp)
+		d.sched.GetNumNewMatchedTokens(dp, 12, 0)
+		if _, err := d.sched.UpdateStateAfterAlloc(dreq, dp, BlockIDs{db}, []int64{0}, 12); err != nil {
+			t.Fatal(err)
+		}
+		d.step(t)
+	}
+	// Engine p1 is known and its READ in flight (20 polls to complete).
+	load(p1, "req-1", "req-a", []int64{1, 2, 3}, []int64{4, 5, 6})
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		d.work.mu.Lock()
+		st := d.work.recv["req-a"]
+		posted := st != nil && len(st.xfers) > 0
+		d.work.mu.Unlock()
+		if posted {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("READ from engine-p1 never posted")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	// First contact with p2: its preparation is held at the gate.
+	load(p2, "req-2", "req-b", []int64{7, 8, 9}, []int64{10, 11, 12})
+	select {
+	case <-entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("engine-p2's descriptor preparation never started")
+	}
+	start := time.Now()
+	// Run on another goroutine: a worker that held its lock across the
+	// preparation would block these calls until the gate opens.
+	done := make(chan Finished, 1)
+	go func() {
+		f := d.waitFinished(t, "req-a while engine-p2 is being prepared", func(f Finished) bool { return contains(f.Recving, "req-a") })
+		d.step(t) // start_load_kv returns while the preparation is held
+		done <- f
+	}()
+	var f Finished
+	select {
+	case f = <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("get_finished/start_load_kv blocked while another engine's descriptor lists were being prepared")
+	}
+	if contains(f.Recving, "req-b") || len(f.Failed) != 0 {
+		t.Fatalf("unexpected %+v", f)
+	}
+	t.Logf("req-a finished %v after engine-p2's preparation was held", time.Since(start))
+	close(gate)
+	d.waitFinished(t, "req-b after the gate opened", func(f Finished) bool { return contains(f.Recving, "req-b") })
+	for i := 0; i < 3; i++ {
+		if !bytes.Equal(d.kv.block(0, 0, 10+i), p2.kv.block(0, 0, 7+i)) {
+			t.Fatalf("req-b block %d not transferred", i)
+		}
 	}
 }

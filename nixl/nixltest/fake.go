@@ -47,6 +47,11 @@ type Script struct {
 	// NoCopy leaves memory untouched (for tests that register fake
 	// addresses). Notifications are still delivered.
 	NoCopy bool
+	// PrepHook, if set, is called at the start of PrepDescList (remote
+	// agent name, "" for a local list; descriptor count) without the
+	// engine's lock held: a test can make a preparation slow and check
+	// what keeps running meanwhile.
+	PrepHook func(remote string, n int)
 }
 
 // Call is one recorded API call.
@@ -415,6 +420,12 @@ func covered(regs []nixl.Region, d nixl.Desc) bool {
 }
 
 func (a *Agent) PrepDescList(agent string, mem nixl.MemType, descs []nixl.Desc) (nixl.DescList, error) {
+	a.e.mu.Lock()
+	hook := a.script.PrepHook
+	a.e.mu.Unlock()
+	if hook != nil {
+		hook(agent, len(descs))
+	}
 	a.e.mu.Lock()
 	defer a.e.mu.Unlock()
 	a.record("PrepDescList", "%q %v %d descs", agent, mem, len(descs))

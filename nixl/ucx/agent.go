@@ -12,6 +12,7 @@ import (
 	"bytes"
 	"fmt"
 	"os"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -818,47 +819,86 @@ func (d *descList) Release() error {
 
 func (a *agent) PrepDescList(agentName string, mem nixl.MemType, descs []nixl.Desc) (nixl.DescList, error) {
 	const op = "PrepDescList"
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if err := a.checkOpen(op); err != nil {
-		return nil, err
-	}
-	d := &descList{a: a, agent: agentName, mem: mem, ents: make([]descEnt, len(descs))}
 	for i, x := range descs {
 		if x.Len == 0 || x.Addr+x.Len < x.Addr {
 			return nil, nixl.Errorf(nixl.ErrInvalidParam, op, "descriptor %d: bad range %#x+%d", i, x.Addr, x.Len)
 		}
 	}
-	if agentName == "" {
-		rs := a.regions[mem]
-		for i, x := range descs {
-			lr := findCover(rs, x)
-			if lr == nil {
-				return nil, nixl.Errorf(nixl.ErrNotFound, op,
-					"descriptor %d (%#x+%d dev %d) is not inside a registered %v region", i, x.Addr, x.Len, x.DevID, mem)
-			}
-			d.ents[i] = descEnt{addr: x.Addr, len: x.Len, idx: lr.memh}
-		}
-		return d, nil
+	// The regions are snapshotted under the lock and the descriptors
+	// checked without it: a large list (a big model's 1.6M descriptors)
+	// must not stall transfers in flight. A registration change made
+	// meanwhile is detected when the list is installed.
+	a.mu.Lock()
+	if err := a.checkOpen(op); err != nil {
+		a.mu.Unlock()
+		return nil, err
 	}
+	d := &descList{a: a, agent: agentName, mem: mem}
 	var p *peer
-	if agentName == a.name {
+	var local []*localRegion
+	if agentName == "" {
+		local = slices.Clone(a.regions[mem])
+	} else if agentName == a.name {
 		var err error
 		if p, err = a.selfPeer(); err != nil {
+			a.mu.Unlock()
 			return nil, err
 		}
 	} else if p = a.peers[agentName]; p == nil {
+		a.mu.Unlock()
 		return nil, nixl.Errorf(nixl.ErrNotFound, op, "no metadata loaded for agent %q", agentName)
 	}
-	for i, x := range descs {
-		r := findRemote(p.regions, mem, x)
-		if r == nil {
-			return nil, nixl.Errorf(nixl.ErrNotFound, op,
-				"descriptor %d (%#x+%d dev %d) is outside every %v region agent %q advertised", i, x.Addr, x.Len, x.DevID, mem, agentName)
-		}
-		d.ents[i] = descEnt{addr: x.Addr, len: x.Len, idx: r.rkey}
+	var remote []remoteRegion
+	var gen uint64
+	if p != nil {
+		remote, gen = p.regions, p.gen // replaced, never changed in place
 	}
-	d.peer, d.gen = p, p.gen
+	a.mu.Unlock()
+
+	ents := make([]descEnt, len(descs))
+	if p == nil {
+		var last *localRegion
+		for i, x := range descs {
+			// Descriptors come in runs over one region: try the last first.
+			lr := last
+			if lr == nil || lr.DevID != x.DevID || x.Addr < lr.Addr || x.Addr+x.Len > lr.Addr+lr.Len {
+				if lr = findCover(local, x); lr == nil {
+					return nil, nixl.Errorf(nixl.ErrNotFound, op,
+						"descriptor %d (%#x+%d dev %d) is not inside a registered %v region", i, x.Addr, x.Len, x.DevID, mem)
+				}
+				last = lr
+			}
+			ents[i] = descEnt{addr: x.Addr, len: x.Len, idx: lr.memh}
+		}
+	} else {
+		var last *remoteRegion
+		for i, x := range descs {
+			r := last
+			if r == nil || r.dev != x.DevID || x.Addr < r.addr || x.Addr+x.Len > r.addr+r.len {
+				if r = findRemote(remote, mem, x); r == nil {
+					return nil, nixl.Errorf(nixl.ErrNotFound, op,
+						"descriptor %d (%#x+%d dev %d) is outside every %v region agent %q advertised", i, x.Addr, x.Len, x.DevID, mem, agentName)
+				}
+				last = r
+			}
+			ents[i] = descEnt{addr: x.Addr, len: x.Len, idx: r.rkey}
+		}
+	}
+
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.checkOpen(op); err != nil {
+		return nil, err
+	}
+	if p != nil {
+		if agentName != a.name && (a.peers[agentName] != p || p.gen != gen) {
+			return nil, nixl.Errorf(nixl.ErrNotFound, op, "metadata of agent %q was invalidated or reloaded while the list was prepared", agentName)
+		}
+		d.peer, d.gen = p, gen
+	} else if !slices.Equal(local, a.regions[mem]) {
+		return nil, nixl.Errorf(nixl.ErrInvalidParam, op, "memory was registered or deregistered while the list was prepared; prepare it again")
+	}
+	d.ents = ents
 	return d, nil
 }
 
