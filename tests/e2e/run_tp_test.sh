@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# End-to-end tensor and data parallelism: vLLM instances with
+# --tensor-parallel-size 1 or 2 (and --data-parallel-size 2) on either side of
+# a disaggregated prefill -> decode pair, each combination behind its own
+# gonixl-proxy and checked against an aggregated TP = 1 baseline by
+# tests/e2e/test_interop.py (token-exact outputs, the decode's
+# prompt_tokens_by_source counters, clean logs).
+#
+#   tests/e2e/run_tp_test.sh
+#   GONIXL_E2E_MODEL=tests/fixtures/geometry/hybrid-swa GONIXL_TP_COMBOS=go1-go2,go2-go1 tests/e2e/run_tp_test.sh
+#
+# Instance kinds in GONIXL_TP_COMBOS (PREFILL-DECODE):
+#   go1, go2      GoNixlConnector (transfer_engine nixl), TP 1 or 2
+#   stock1, stock2 vLLM's NixlConnector (host buffers), TP 1 or 2
+#   dp2           GoNixlConnector, TP 1, --data-parallel-size 2 (the proxy
+#                 addresses the head instance only; each DP engine's side
+#                 channel is VLLM_NIXL_SIDE_CHANNEL_PORT + its DP index)
+# Default: go2-go2,go1-go2,go2-go1,stock2-go1,go1-dp2,dp2-go1.
+#
+# vLLM's CPU backend runs TP = 2 here with its shared-memory communicator
+# (one worker process per rank). Every process is stopped on exit (lib.sh).
+# Other knobs as run_interop_test.sh (GONIXL_INTEROP_PROMPTS, default 12 here;
+# GONIXL_INTEROP_LEASE, GONIXL_E2E_LOGS, GONIXL_E2E_TIMEOUT).
+set -euo pipefail
+
+E2E_NAME=run_tp_test
+# shellcheck source=tests/e2e/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+MODEL=${GONIXL_E2E_MODEL:-$ROOT/tests/fixtures/geometry/llama-28l-gqa}
+e2e_logs "${GONIXL_E2E_LOGS:-$ROOT/tests/e2e/logs/tp-$(basename "$MODEL")}"
+e2e_require "$MODEL"
+e2e_vllm_args "$MODEL"
+LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
+SUMMARY="$LOGS/summary.txt"
+: >"$SUMMARY"
+export GONIXL_INTEROP_PROMPTS="${GONIXL_INTEROP_PROMPTS:-12}"
+
+# vLLM's CPU TP communicator leaves its shared-memory segments in /dev/shm
+# when its processes are killed; those this run made are removed at exit.
+SHM0=$(ls /dev/shm 2>/dev/null | grep cpushm || true)
+e2e_at_exit() {
+  local f
+  for f in $(ls /dev/shm 2>/dev/null | grep cpushm || true); do
+    grep -qxF "$f" <<<"$SHM0" || rm -f "/dev/shm/$f"
+  done
+  [ -s "$SUMMARY" ] && cat "$SUMMARY" >&2
+  e2e_say "model $(basename "$MODEL"), combinations ${COMBOS[*]:-none}: $([ "$1" -eq 0 ] && echo passed || echo "FAILED (rc=$1)") in $(e2e_elapsed) s (servers ready after ${READY_S:-n/a} s; load average at start $LOAD0, now $(cut -d' ' -f1-3 /proc/loadavg))"
+}
+
+COMBOS=()
+IFS=',' read -r -a _requested <<<"${GONIXL_TP_COMBOS:-go2-go2,go1-go2,go2-go1,stock2-go1,go1-dp2,dp2-go1}"
+for c in "${_requested[@]}"; do
+  c=${c// /}
+  [ -n "$c" ] || continue
+  [[ $c =~ ^(go1|go2|stock1|stock2|dp2)-(go1|go2|stock1|stock2|dp2)$ ]] || { e2e_say "bad combination '$c' in GONIXL_TP_COMBOS"; exit 2; }
+  [[ " ${COMBOS[*]} " == *" $c "* ]] || COMBOS+=("$c")
+done
+[ ${#COMBOS[@]} -gt 0 ] || { e2e_say "GONIXL_TP_COMBOS names no combination"; exit 2; }
+
+LEASE="${GONIXL_INTEROP_LEASE:-120}"
+kv_config() { # kind role
+  case $1 in
+    stock*) stock_kv_config "$2" | sed "s/}\$/,\"kv_connector_extra_config\":{\"kv_lease_duration\":$LEASE}}/" ;;
+    *) gonixl_kv_config_extra "$2" nixl "\"kv_lease_duration\":$LEASE" ;;
+  esac
+}
+parallel_args() { # kind
+  case $1 in
+    go2 | stock2) echo "--tensor-parallel-size 2" ;;
+    dp2) echo "--data-parallel-size 2" ;;
+  esac
+}
+
+declare -A PORT SIDE
+for c in "${COMBOS[@]}"; do
+  for inst in "prefill-${c%-*}" "decode-${c#*-}"; do
+    [ -z "${PORT[$inst]:-}" ] || continue
+    kind=${inst#*-}
+    PORT[$inst]=$(free_port); SIDE[$inst]=$(free_port)
+    [ "$kind" = dp2 ] && free_port >/dev/null # port + 1: the second DP engine's side channel
+    role=kv_producer; [ "${inst%-*}" = decode ] && role=kv_consumer
+    saved=("${COMMON[@]}")
+    # shellcheck disable=SC2207
+    COMMON+=($(parallel_args "$kind"))
+    start_vllm "$inst" "${PORT[$inst]}" "${SIDE[$inst]}" "$(kv_config "$kind" "$role")" VLLM_SERVER_DEV_MODE=1
+    COMMON=("${saved[@]}")
+  done
+done
+A_PORT=$(free_port)
+start_vllm baseline "$A_PORT"
+declare -A PROXY
+for c in "${COMBOS[@]}"; do
+  PROXY[$c]=$(free_port)
+  start_proxy "proxy-$c" "${PROXY[$c]}" "${PORT[prefill-${c%-*}]}" "${PORT[decode-${c#*-}]}"
+done
+e2e_say "model $MODEL; combinations ${COMBOS[*]}; instances ${!PORT[*]} + baseline; logs in $LOGS"
+
+for c in "${COMBOS[@]}"; do wait_ready "proxy-$c" "http://127.0.0.1:${PROXY[$c]}/healthcheck"; done
+for inst in "${!PORT[@]}"; do wait_ready "$inst" "http://127.0.0.1:${PORT[$inst]}/health"; done
+wait_ready baseline "http://127.0.0.1:$A_PORT/health"
+READY_S=$(e2e_elapsed)
+
+TOPO=$(
+  for inst in "${!PORT[@]}"; do printf 'I %s http://127.0.0.1:%s %s\n' "$inst" "${PORT[$inst]}" "$LOGS/$inst.log"; done
+  for c in "${COMBOS[@]}"; do printf 'C %s http://127.0.0.1:%s\n' "$c" "${PROXY[$c]}"; done
+)
+GONIXL_INTEROP_TOPOLOGY=$(MODEL="$MODEL" BASELINE="http://127.0.0.1:$A_PORT" "$PY" -c '
+import json, os, sys
+t = {"model": os.environ["MODEL"], "baseline": os.environ["BASELINE"], "instances": {}, "combos": {}}
+for line in sys.stdin.read().splitlines():
+    kind, name, url, *log = line.split(" ", 3)
+    if kind == "I":
+        t["instances"][name] = {"url": url, "log": log[0]}
+    else:
+        t["combos"][name] = {"proxy": url}
+print(json.dumps(t))' <<<"$TOPO")
+export GONIXL_INTEROP_TOPOLOGY GONIXL_INTEROP_SUMMARY="$SUMMARY"
+"$PY" -m pytest -q -rA -p no:cacheprovider "$ROOT/tests/e2e/test_interop.py"
