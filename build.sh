@@ -227,6 +227,16 @@ cmd_test() {
     GONIXL_E2E_MODEL="tests/fixtures/geometry/$m" GONIXL_E2E_LOGS="tests/e2e/logs/interop-$m" \
       bash tests/e2e/run_interop_test.sh
   done
+  # Tensor and data parallelism with real vLLM (its CPU backend runs TP = 2
+  # with one worker process per rank): TP 2->2, 1->2, 2->1 and DP 2 on the
+  # decode, on the GQA Llama (2 KV heads: head slicing); then the hybrid
+  # model with 1 KV head (< TP: replicated heads) over gonixl's UCX engine,
+  # and a stock NixlConnector prefill at TP 2 whose replicated head a gonixl
+  # decode at TP 1 reads once (vLLM's own decode refuses that pairing).
+  log "e2e: tests/e2e/run_tp_test.sh on tests/fixtures/geometry/llama-28l-gqa"
+  bash tests/e2e/run_tp_test.sh
+  log "e2e: tests/e2e/run_tp_test.sh on tests/fixtures/geometry/hybrid-swa"
+  GONIXL_E2E_MODEL=tests/fixtures/geometry/hybrid-swa GONIXL_TP_COMBOS=ux1-ux2,ux2-ux1,stock2-go1 bash tests/e2e/run_tp_test.sh
   # The soak's short version: load through the proxy with disconnects and
   # aborts, then every live count (transfer handles, leases, handshakes)
   # back to zero and vLLM's KV-cache usage back to idle on both sides.

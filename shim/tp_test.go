@@ -130,9 +130,7 @@ func (te *tpEngine) side(r int) *side { return &side{sched: te.sched, work: te.w
 // tpTransfer runs one request from a prefill of TP pTP to a decode of TP
 // dTP and checks every byte of every head of every block on every decode
 // rank, and that every prefill rank frees the request.
-func tpTransfer(t *testing.T, pTP, dTP, kvHeads int, kind string) {
-	eng := nixltest.NewEngine("t")
-	eng.SetScript(nixltest.Script{Polls: 1})
+func tpTransfer(t *testing.T, eng nixl.Engine, pTP, dTP, kvHeads int, kind string) {
 	p := newTPEngine(t, eng, "kv_producer", "engine-p", pTP, kvHeads, 1, kind)
 	d := newTPEngine(t, eng, "kv_consumer", "engine-d", dTP, kvHeads, 100, kind)
 
@@ -218,7 +216,9 @@ func TestTensorParallelTransfers(t *testing.T) {
 		{1, 2, 1, LayerKindMLA},
 	} {
 		t.Run(fmt.Sprintf("P%d-D%d-heads%d%s", c.p, c.d, c.heads, c.kind), func(t *testing.T) {
-			tpTransfer(t, c.p, c.d, c.heads, c.kind)
+			eng := nixltest.NewEngine("t")
+			eng.SetScript(nixltest.Script{Polls: 1})
+			tpTransfer(t, eng, c.p, c.d, c.heads, c.kind)
 		})
 	}
 }

@@ -2,6 +2,7 @@ package shim
 
 import (
 	"bytes"
+	"fmt"
 	"testing"
 
 	"github.com/gonixl/gonixl/nixl"
@@ -54,4 +55,22 @@ func TestPrefillToDecodeOverUCX(t *testing.T) {
 		}
 	}
 	p.waitFinished(t, "prefill send", func(f Finished) bool { return contains(f.Sending, "req-p") })
+}
+
+// TestTensorParallelOverUCX runs heterogeneous-TP transfers of
+// TestTensorParallelTransfers on the real UCX engine: head slices read from
+// one prefill rank, slots filled from two, and GQA replication.
+func TestTensorParallelOverUCX(t *testing.T) {
+	eng, err := nixl.Lookup("ucx")
+	if err != nil {
+		t.Skipf("ucx engine not built in: %v", err)
+	}
+	if err := eng.Available(); err != nil {
+		t.Skipf("UCX not available on this host: %v", err)
+	}
+	for _, c := range [][3]int{{1, 2, 2}, {2, 1, 2}, {2, 2, 2}, {2, 1, 1}, {1, 4, 2}} {
+		t.Run(fmt.Sprintf("P%d-D%d-heads%d", c[0], c[1], c[2]), func(t *testing.T) {
+			tpTransfer(t, eng, c[0], c[1], c[2], "")
+		})
+	}
 }
