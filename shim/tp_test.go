@@ -203,15 +203,15 @@ func TestTensorParallelTransfers(t *testing.T) {
 		p, d, heads int
 		kind        string
 	}{
-		{2, 2, 2, ""},  // same TP: rank r reads rank r
-		{1, 2, 2, ""},  // decode ranks read head slices of one prefill rank
-		{1, 2, 4, ""},  // two heads per decode rank
-		{1, 4, 2, ""},  // decode replicates heads (TP > KV heads)
-		{1, 2, 1, ""},  // one KV head, both decode ranks read it whole
-		{2, 1, 2, ""},  // decode rank reads from two prefill ranks into slots
-		{4, 2, 4, ""},  // two slots from two prefill ranks per decode rank
-		{2, 1, 1, ""},  // prefill replicates its one head: read rank 0, notify rank 1
-		{4, 1, 2, ""},  // prefill replicates: two distinct heads of four ranks
+		{2, 2, 2, ""}, // same TP: rank r reads rank r
+		{1, 2, 2, ""}, // decode ranks read head slices of one prefill rank
+		{1, 2, 4, ""}, // two heads per decode rank
+		{1, 4, 2, ""}, // decode replicates heads (TP > KV heads)
+		{1, 2, 1, ""}, // one KV head, both decode ranks read it whole
+		{2, 1, 2, ""}, // decode rank reads from two prefill ranks into slots
+		{4, 2, 4, ""}, // two slots from two prefill ranks per decode rank
+		{2, 1, 1, ""}, // prefill replicates its one head: read rank 0, notify rank 1
+		{4, 1, 2, ""}, // prefill replicates: two distinct heads of four ranks
 		{2, 1, 1, LayerKindMLA},
 		{1, 2, 1, LayerKindMLA},
 	} {

@@ -190,3 +190,42 @@ wait_log() {
   done
   echo "$line"
 }
+
+# interop_matrix_run: the second half of run_interop_test.sh and run_tp_test.sh.
+# With the connector instances started (associative arrays PORT and SIDE keyed
+# prefill-KIND / decode-KIND, array COMBOS of PREFILL-DECODE kinds, MODEL,
+# SUMMARY set), it starts the aggregated baseline and one gonixl-proxy per
+# combination, waits for everything (READY_S: seconds until ready), describes
+# them in GONIXL_INTEROP_TOPOLOGY and runs tests/e2e/test_interop.py.
+interop_matrix_run() {
+  local c inst
+  A_PORT=$(free_port)
+  start_vllm baseline "$A_PORT"
+  declare -gA PROXY
+  for c in "${COMBOS[@]}"; do
+    PROXY[$c]=$(free_port)
+    start_proxy "proxy-$c" "${PROXY[$c]}" "${PORT[prefill-${c%-*}]}" "${PORT[decode-${c#*-}]}"
+  done
+  e2e_say "model $MODEL; combinations ${COMBOS[*]}; instances ${!PORT[*]} + baseline; logs in $LOGS"
+  for c in "${COMBOS[@]}"; do wait_ready "proxy-$c" "http://127.0.0.1:${PROXY[$c]}/healthcheck"; done
+  for inst in "${!PORT[@]}"; do wait_ready "$inst" "http://127.0.0.1:${PORT[$inst]}/health"; done
+  wait_ready baseline "http://127.0.0.1:$A_PORT/health"
+  READY_S=$(e2e_elapsed)
+  local topo
+  topo=$(
+    for inst in "${!PORT[@]}"; do printf 'I %s http://127.0.0.1:%s %s\n' "$inst" "${PORT[$inst]}" "$LOGS/$inst.log"; done
+    for c in "${COMBOS[@]}"; do printf 'C %s http://127.0.0.1:%s\n' "$c" "${PROXY[$c]}"; done
+  )
+  GONIXL_INTEROP_TOPOLOGY=$(MODEL="$MODEL" BASELINE="http://127.0.0.1:$A_PORT" "$PY" -c '
+import json, os, sys
+t = {"model": os.environ["MODEL"], "baseline": os.environ["BASELINE"], "instances": {}, "combos": {}}
+for line in sys.stdin.read().splitlines():
+    kind, name, url, *log = line.split(" ", 3)
+    if kind == "I":
+        t["instances"][name] = {"url": url, "log": log[0]}
+    else:
+        t["combos"][name] = {"proxy": url}
+print(json.dumps(t))' <<<"$topo")
+  export GONIXL_INTEROP_TOPOLOGY GONIXL_INTEROP_SUMMARY="$SUMMARY"
+  "$PY" -m pytest -q -rA -p no:cacheprovider "$ROOT/tests/e2e/test_interop.py"
+}

@@ -98,33 +98,5 @@ for c in "${COMBOS[@]}"; do
     COMMON=("${saved[@]}")
   done
 done
-A_PORT=$(free_port)
-start_vllm baseline "$A_PORT"
-declare -A PROXY
-for c in "${COMBOS[@]}"; do
-  PROXY[$c]=$(free_port)
-  start_proxy "proxy-$c" "${PROXY[$c]}" "${PORT[prefill-${c%-*}]}" "${PORT[decode-${c#*-}]}"
-done
-e2e_say "model $MODEL; combinations ${COMBOS[*]}; instances ${!PORT[*]} + baseline; logs in $LOGS"
+interop_matrix_run
 
-for c in "${COMBOS[@]}"; do wait_ready "proxy-$c" "http://127.0.0.1:${PROXY[$c]}/healthcheck"; done
-for inst in "${!PORT[@]}"; do wait_ready "$inst" "http://127.0.0.1:${PORT[$inst]}/health"; done
-wait_ready baseline "http://127.0.0.1:$A_PORT/health"
-READY_S=$(e2e_elapsed)
-
-TOPO=$(
-  for inst in "${!PORT[@]}"; do printf 'I %s http://127.0.0.1:%s %s\n' "$inst" "${PORT[$inst]}" "$LOGS/$inst.log"; done
-  for c in "${COMBOS[@]}"; do printf 'C %s http://127.0.0.1:%s\n' "$c" "${PROXY[$c]}"; done
-)
-GONIXL_INTEROP_TOPOLOGY=$(MODEL="$MODEL" BASELINE="http://127.0.0.1:$A_PORT" "$PY" -c '
-import json, os, sys
-t = {"model": os.environ["MODEL"], "baseline": os.environ["BASELINE"], "instances": {}, "combos": {}}
-for line in sys.stdin.read().splitlines():
-    kind, name, url, *log = line.split(" ", 3)
-    if kind == "I":
-        t["instances"][name] = {"url": url, "log": log[0]}
-    else:
-        t["combos"][name] = {"proxy": url}
-print(json.dumps(t))' <<<"$TOPO")
-export GONIXL_INTEROP_TOPOLOGY GONIXL_INTEROP_SUMMARY="$SUMMARY"
-"$PY" -m pytest -q -rA -p no:cacheprovider "$ROOT/tests/e2e/test_interop.py"
