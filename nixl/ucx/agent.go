@@ -56,8 +56,12 @@ type peer struct {
 	retired []C.ucp_rkey_h // from earlier loads, destroyed at teardown
 	gen     uint64
 
-	proc     procID
-	local    bool // same host: liveness checked through /proc
+	proc  procID
+	local bool // same host: liveness checked through /proc
+	// sameNet: same host and network namespace; only such a peer's data
+	// moves by host copy (cma, shm). One in another network namespace is
+	// treated as another host (tests/e2e's netns hosts cut links between them).
+	sameNet  bool
 	lastLive time.Time
 	dead     bool
 	deadWhy  string
@@ -122,7 +126,8 @@ type agent struct {
 	// and for writing (with mu) by whatever unmaps a peer's regions or
 	// restores local ones.
 	copyMu    sync.RWMutex
-	shmWhy    string // why a local region was not shared (the first reason)
+	copies    sync.WaitGroup // host copies running outside mu (startHostCopy); Close waits for them
+	shmWhy    string         // why a local region was not shared (the first reason)
 	c         *C.gx_agent
 	closing   bool
 	closed    bool
@@ -527,7 +532,7 @@ func (a *agent) loadLocked(m *metadata) error {
 				m.Name, msg, ParamErrMode)
 		}
 		C.free(unsafe.Pointer(errBuf))
-		p = &peer{name: m.Name, addr: m.Address, ep: ep, proc: m.Proc, local: sameHost(m.Proc), pidfd: -1}
+		p = &peer{name: m.Name, addr: m.Address, ep: ep, proc: m.Proc, local: sameHost(m.Proc), sameNet: sameNetwork(m.Proc), pidfd: -1}
 		if a.epInfo == "" {
 			if s := C.gx_ep_info(ep); s != nil {
 				a.epPeer = m.Name
@@ -1074,6 +1079,10 @@ func (a *agent) Close() error {
 	if pt != nil {
 		err = pt.stop() // the thread exits at its next look at a.closing
 	}
+	// A host copy writes into registered memory: none may outlive Close.
+	// They end on their own (a copy between live mappings, or a CMA call
+	// the kernel bounds); no new one starts once closing is set.
+	a.copies.Wait()
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	// Documented order: requests, then per peer flush / rkeys / endpoint,

@@ -647,7 +647,9 @@ func givenUpReadNeverLandsLate(t *testing.T, tls, mode string, cancels bool) {
 		t.Setenv("UCX_TLS", tls) // GETs emulated over active messages: the target must progress
 	}
 	const blk, nblk = 64 << 10, 8
-	p := newPair(t, blk*nblk, map[string]string{ParamErrMode: mode}, false)
+	// Data path ucp: this test is about UCX's GETs (cma, the default, moves
+	// the bytes in this process; TestHostCopyIsAsync covers it).
+	p := newPair(t, blk*nblk, map[string]string{ParamErrMode: mode, ParamDataPath: "ucp"}, false)
 	local, err := p.a.PrepDescList("", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufA), Len: blk * nblk}})
 	if err != nil {
 		t.Fatal(err)
@@ -745,5 +747,101 @@ func givenUpReadNeverLandsLate(t *testing.T, tls, mode string, cancels bool) {
 		if v != 0 {
 			t.Fatalf("byte %d of the given-up READ's buffer changed to %#x after the READ was released", i, v)
 		}
+	}
+}
+
+// TestHostCopyIsAsync: with the default data path (cma) a same-host READ is
+// copied by this process on its own goroutine: Post returns before the copy
+// (vLLM posts from its model thread), the transfer is in progress and
+// cannot be released while the copy runs, Close waits for it, and the bytes
+// land without the peer ever progressing (UCX 1.13's emulated GET would wait
+// for the peer's progress thread, which a busy host starves).
+func TestHostCopyIsAsync(t *testing.T) {
+	const n = 1 << 20
+	p := newPair(t, n, nil, false) // defaults: error mode auto, data path cma
+	if info := p.a.(*agent).Info(); !strings.Contains(info, "cma for same-host peers") {
+		t.Fatalf("default data path: %s", info)
+	}
+	for i := range p.bufB {
+		p.bufB[i] = byte(i*7 + 3)
+	}
+	local, err := p.a.PrepDescList("", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufA), Len: n}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	remote, err := p.a.PrepDescList("B", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufB), Len: n}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := make(chan struct{})
+	started := make(chan struct{}, 4)
+	hostCopyHook = func() { started <- struct{}{}; <-release }
+	t.Cleanup(func() { hostCopyHook = nil })
+	x, err := p.a.MakeXfer(nixl.Read, local, []int32{0}, remote, []int32{0}, []byte("async:1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := x.Post(); st != nixl.InProgress || err != nil {
+		t.Fatalf("Post with the copy held: %v %v, want IN_PROG", st, err)
+	}
+	select {
+	case <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the host copy did not start")
+	}
+	if st, _ := x.Check(); st != nixl.InProgress {
+		t.Fatalf("Check while the copy is held: %v, want IN_PROG", st)
+	}
+	if err := x.Release(); nixl.StatusOf(err) != nixl.ErrRepostActive {
+		t.Fatalf("Release while the copy runs: %v, want ERR_REPOST_ACTIVE", err)
+	}
+	if p.bufA[n-1] != 0 {
+		t.Fatal("bytes landed before the copy ran")
+	}
+	close(release)
+	// B never progresses: the data must still arrive.
+	deadline := time.Now().Add(10 * time.Second)
+	for !bytes.Equal(p.bufA, p.bufB) {
+		if time.Now().After(deadline) {
+			t.Fatal("the READ's bytes did not land without the peer's progress")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if st, err := wait(t, x, p.b, 10*time.Second); st != nixl.Success {
+		t.Fatalf("READ: %v %v", st, err)
+	}
+	if m := waitNotif(t, p.b, p.a, 10*time.Second); string(m.Msg) != "async:1" {
+		t.Fatalf("notification %q", m.Msg)
+	}
+	if err := x.Release(); err != nil {
+		t.Fatal(err)
+	}
+
+	// Close waits for a copy in flight.
+	release2 := make(chan struct{})
+	hostCopyHook = func() { started <- struct{}{}; <-release2 }
+	y, err := p.a.MakeXfer(nixl.Read, local, []int32{0}, remote, []int32{0}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := y.Post(); err != nil {
+		t.Fatal(err)
+	}
+	<-started
+	closed := make(chan error, 1)
+	go func() { closed <- p.a.Close() }()
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) while a host copy was running", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	close(release2)
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return after the copy ended")
 	}
 }

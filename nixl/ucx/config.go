@@ -23,10 +23,15 @@ const (
 	ParamEngineConfig = "engine_config"
 	// ParamDevices: comma-separated device list, applied as NET_DEVICES.
 	ParamDevices = "device_list"
-	// ParamDataPath: "ucp" (default: ucp_get_nbx/ucp_put_nbx), "cma" or
-	// "shm". cma: for a peer on this host (same boot and pid namespace),
-	// move the data with process_vm_readv/writev (one syscall per 512
-	// operations) and use UCX only for the notification. shm: as cma, and
+	// ParamDataPath: "cma" (default), "ucp" or "shm". cma: for a peer on
+	// this host (same boot and pid namespace), move the data with
+	// process_vm_readv/writev (one syscall per 512 operations) on a
+	// goroutine of this process and use UCX only for the notification, so
+	// a READ needs no CPU time of the peer's (UCX 1.13 serves ucp_get on
+	// memory it did not allocate by software emulation, fragment by
+	// fragment on the peer's progress; UCX 1.22 uses CMA zero-copy itself).
+	// Peers on other hosts always go through UCP. ucp: ucp_get_nbx /
+	// ucp_put_nbx for every peer. shm: as cma, and
 	// in addition RegisterMem re-backs each region's page-aligned interior
 	// with a sealed memfd (same addresses and contents) that same-host
 	// peers map, so a READ or WRITE of it is a memcpy (see shm.go); both
@@ -74,9 +79,9 @@ const (
 
 func parseDataPath(s string) (dataPath, bool) {
 	switch strings.ToLower(s) {
-	case "", "ucp":
+	case "ucp":
 		return pathUCP, true
-	case "cma":
+	case "", "cma":
 		return pathCMA, true
 	case "shm":
 		return pathShm, true

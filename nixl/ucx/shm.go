@@ -339,21 +339,14 @@ func (p *peer) shmSummary() string {
 	return out
 }
 
-// postShm moves the data of a transfer to a peer whose regions are mapped
-// here: memcpy for the mapped parts and CMA for the rest, outside the agent
-// mutex (called and returning with it held), then lets C send the
-// notification. done is false when the kernel denied CMA before any of its
-// bytes moved: the caller then posts everything through UCX.
-func (x *xfer) postShm(fn string) (st nixl.Status, err error, done bool) {
-	a, p := x.a, x.peer
-	a.copyMu.RLock()
-	a.mu.Unlock()
-	rc := C.gx_shm_post(C.int(p.proc.Pid), p.pidfd, C.int(x.op),
+// copyShm moves the data of a transfer to a peer whose regions are mapped
+// here: memcpy for the mapped parts and CMA for the rest. It runs without
+// the agent mutex, with copyMu held for reading (startHostCopy).
+func (x *xfer) copyShm() C.int {
+	p := x.peer
+	return C.gx_shm_post(C.int(p.proc.Pid), p.pidfd, C.int(x.op),
 		opsPtr(x.shmOps), C.size_t(len(x.shmOps)), opsPtr(x.cmaOps), C.size_t(len(x.cmaOps)),
 		ctlsPtr(x.ctls), C.size_t(len(x.ctls)))
-	a.copyMu.RUnlock()
-	a.mu.Lock()
-	return x.afterHostCopy(fn, rc)
 }
 
 func opsPtr(o []op) *C.gx_iov {

@@ -33,6 +33,7 @@ type xfer struct {
 
 	c        *C.gx_xfer
 	posted   bool
+	copying  bool        // a host copy (cma, shm) of this transfer runs on its own goroutine
 	final    nixl.Status // sticky terminal status (Success or an error) once reached
 	finalErr error
 	start    time.Time
@@ -73,11 +74,16 @@ func (x *xfer) Post() (nixl.Status, error) {
 	x.final = nixl.InProgress
 	x.finalErr = nil
 	x.start = time.Now()
-	if post := x.hostPost(); post != nil {
-		if st, err, done := post(fn); done {
-			return st, err
-		}
+	if copyFn, mapped := x.hostCopy(); copyFn != nil {
+		x.startHostCopy(fn, copyFn, mapped)
+		return nixl.InProgress, nil
 	}
+	return x.postUCP(fn)
+}
+
+// postUCP posts x's operations through UCX (agent mutex held).
+func (x *xfer) postUCP(fn string) (nixl.Status, error) {
+	a, p := x.a, x.peer
 	rc := C.gx_post(a.c, p.ep, C.int(x.op),
 		(*C.gx_iov)(unsafe.Pointer(&x.ops[0])), C.size_t(len(x.ops)),
 		rkeyPtr(p.rkeys), C.size_t(len(p.rkeys)),
@@ -86,32 +92,62 @@ func (x *xfer) Post() (nixl.Status, error) {
 	return x.settle(rc, fn)
 }
 
-// hostPost returns the data path's way of moving x's bytes in this process
+// hostCopy returns the data path's way of moving x's bytes in this process
 // (shm where the peer's regions are mapped, else CMA), or nil when UCP
 // moves them (data path ucp, a peer on another host, or one the kernel
-// refused CMA to).
-func (x *xfer) hostPost() func(fn string) (nixl.Status, error, bool) {
+// refused CMA to). It runs without the agent mutex and returns the copy's
+// result code; mapped is true when it reads or writes a peer's mapping.
+func (x *xfer) hostCopy() (copyFn func() C.int, mapped bool) {
 	p := x.peer
 	switch {
-	case !x.a.set.path.copiesHere() || !p.local || p.noCMA:
-		return nil
+	case !x.a.set.path.copiesHere() || !p.local || !p.sameNet || p.noCMA:
+		return nil, false
 	case x.ctls != nil:
-		return x.postShm
+		return x.copyShm, true
 	}
-	return x.postCMA
+	pid, op, ops := C.int(p.proc.Pid), C.int(x.op), x.ops
+	return func() C.int {
+		return C.gx_cma(pid, op, (*C.gx_iov)(unsafe.Pointer(&ops[0])), C.size_t(len(ops)))
+	}, false
 }
 
-// postCMA moves the data with process_vm_readv/writev outside the agent
-// mutex (called and returning with it held), then lets C send the
-// notification. done is false when the kernel denied access before any
-// byte moved: the caller then posts through UCX.
-func (x *xfer) postCMA(fn string) (st nixl.Status, err error, done bool) {
-	a, p := x.a, x.peer
-	a.mu.Unlock()
-	rc := C.gx_cma(C.int(p.proc.Pid), C.int(x.op), (*C.gx_iov)(unsafe.Pointer(&x.ops[0])), C.size_t(len(x.ops)))
-	a.mu.Lock()
-	return x.afterHostCopy(fn, rc)
+// startHostCopy runs a host copy on its own goroutine, so that Post returns
+// at once (vLLM posts from its model thread; a copy of a large request's
+// blocks takes tens of milliseconds) and the READ needs no CPU of the peer's.
+// Called with the agent mutex held. While the copy runs the transfer is in
+// progress, Release refuses it (its memory is being written) and Close
+// waits for it; a copy through a peer's mapping holds copyMu for reading,
+// so the mapping is not detached under it. The goroutine settles the transfer under the mutex: the
+// notification goes out through UCX, or, when the kernel denied CMA before
+// any byte moved, the whole transfer is posted through UCX.
+func (x *xfer) startHostCopy(fn string, copyFn func() C.int, mapped bool) {
+	a := x.a
+	x.copying = true
+	a.copies.Add(1)
+	if mapped {
+		a.copyMu.RLock() // no writer is pending: writers hold a.mu, which the caller holds
+	}
+	go func() {
+		defer a.copies.Done()
+		if hostCopyHook != nil {
+			hostCopyHook()
+		}
+		rc := copyFn()
+		if mapped {
+			a.copyMu.RUnlock()
+		}
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		x.copying = false
+		if _, _, done := x.afterHostCopy(fn, rc); !done {
+			_, _ = x.postUCP(fn)
+		}
+	}()
 }
+
+// hostCopyHook, when set (tests only), runs on the copy's goroutine before
+// the copy.
+var hostCopyHook func()
 
 // afterHostCopy settles a transfer whose data this process moved itself
 // (CMA or shm; rc is the copy's result), with the agent mutex held: on
@@ -196,6 +232,9 @@ func (x *xfer) checkLocked(fn string) (nixl.Status, error) {
 	if err := x.a.checkOpen(fn); err != nil {
 		return nixl.ErrInvalidParam, err
 	}
+	if x.copying {
+		return nixl.InProgress, nil
+	}
 	rc := C.gx_check(x.a.c, x.peer.ep, x.c, 1)
 	x.a.advanceRetiringLocked(time.Now())
 	if x.a.prog != nil {
@@ -239,6 +278,10 @@ func (x *xfer) Release() error {
 	}
 	if x.c != nil && !a.closed {
 		a.advanceRetiringLocked(time.Now())
+	}
+	if x.copying {
+		return nixl.Errorf(nixl.ErrRepostActive, "ReleaseXfer",
+			"the transfer's data is still being copied in this process; release it after Check reports it done")
 	}
 	if x.c != nil && !a.closed && !x.peer.dead && C.gx_xfer_busy(a.c, x.c) != 0 {
 		// Its GETs may still land in local memory, and UCX cannot cancel
