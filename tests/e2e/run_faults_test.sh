@@ -24,6 +24,11 @@
 #   GONIXL_E2E_TIMEOUT           seconds to wait for a server to be ready (600)
 #   GONIXL_E2E_MODEL             model folder (default tests/fixtures/tiny-copy-model)
 #   GONIXL_E2E_ENGINE            transfer_engine (default ucx)
+#   GONIXL_UCX_DATA_PATH         the ucx engine's data path (default here ucp, not the engine's
+#                                default cma: cases b and d need READs that wait on the prefill's
+#                                progress, so that a READ is in flight when the prefill is killed
+#                                or frozen; with cma the decode copies by itself and such a READ
+#                                completes, correctly, before the fault lands)
 #   GONIXL_FAULTS_LEASE          kv_lease_duration, seconds (4)
 #   GONIXL_FAULTS_TRANSFER_TIMEOUT  transfer_timeout, seconds (10)
 #   GONIXL_FAULTS_HANDSHAKE_TIMEOUT handshake_timeout, seconds (5)
@@ -42,6 +47,7 @@ e2e_logs "${GONIXL_E2E_LOGS:-$ROOT/tests/e2e/logs/faults}"
 e2e_require "$MODEL"
 e2e_vllm_args "$MODEL"
 ENGINE="${GONIXL_E2E_ENGINE:-ucx}"
+export GONIXL_UCX_DATA_PATH="${GONIXL_UCX_DATA_PATH:-ucp}"
 LEASE="${GONIXL_FAULTS_LEASE:-4}"
 TRANSFER_TIMEOUT="${GONIXL_FAULTS_TRANSFER_TIMEOUT:-10}"
 HANDSHAKE_TIMEOUT="${GONIXL_FAULTS_HANDSHAKE_TIMEOUT:-5}"
