@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"strconv"
 	"sync"
@@ -138,9 +139,15 @@ func (m *promMetrics) registerLive(engineID string, live func() WorkerLive) {
 // world. An engine created in a process that already serves joins that
 // server (vLLM's in-process executor creates the worker first, so both are
 // then on the worker's port).
+//
+// With GONIXL_DEBUG_PPROF=1 the same server also serves Go's profiles at
+// /debug/pprof/ (goroutine stacks: /debug/pprof/goroutine?debug=2), for an
+// operator looking at a stuck or slow process. Off by default: the stacks
+// name requests and peers.
 const (
 	EnvMetricsPort = "GONIXL_METRICS_PORT"
 	EnvMetricsHost = "GONIXL_METRICS_HOST"
+	EnvDebugPprof  = "GONIXL_DEBUG_PPROF"
 )
 
 var metricsSrv struct {
@@ -229,6 +236,13 @@ func serveMetrics(cfg *Config, reg *prometheus.Registry, worker bool, log *zap.L
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(gatherAll, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}))
+	if os.Getenv(EnvDebugPprof) == "1" {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 10 * time.Second,
 		WriteTimeout: 10 * time.Second, IdleTimeout: 30 * time.Second, MaxHeaderBytes: 16 << 10}
 	metricsSrv.srv, metricsSrv.addr = srv, ln.Addr().String()

@@ -74,6 +74,7 @@ func metricValue(t *testing.T, text, name, engineID string) float64 {
 func TestLiveCountsAndMetricsServer(t *testing.T) {
 	port := freePortRun(t, 4) // worker base+rank, scheduler base+world
 	t.Setenv(EnvMetricsPort, strconv.Itoa(port))
+	t.Setenv(EnvDebugPprof, "1")
 	clock, eng, p, d := stuckRead(t, 30, "req-live", "req-dlive")
 	// The test creates the prefill's scheduler first: the server takes the
 	// scheduler's port (base + world), and every later engine joins it.
@@ -102,6 +103,16 @@ func TestLiveCountsAndMetricsServer(t *testing.T) {
 		}
 	}
 	metricValue(t, text, "gonixl_side_channel_served_total", "engine-p")
+	// GONIXL_DEBUG_PPROF=1: goroutine stacks on the same server.
+	resp, err := http.Get("http://" + addr + "/debug/pprof/goroutine?debug=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stacks, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.Contains(string(stacks), "goroutine ") || !strings.Contains(string(stacks), "gonixl/shim") {
+		t.Fatalf("pprof goroutine dump: HTTP %d, %d bytes", resp.StatusCode, len(stacks))
+	}
 
 	eng.Agent(d.work.agent.Name()).SetScript(nixltest.Script{Polls: 0})
 	d.waitFinished(t, "completion", func(f Finished) bool { return contains(f.Recving, "req-dlive") })
