@@ -3,6 +3,7 @@ package nixl
 import (
 	"errors"
 	"fmt"
+	"math/bits"
 	"sort"
 	"sync"
 	"time"
@@ -385,4 +386,83 @@ func Select(kind string, mem MemType) (Engine, string, error) {
 		return e, reason, nil
 	}
 	return nil, "", fmt.Errorf("nixl: no transfer engine available: %v: %w", why, ErrUnavailable)
+}
+
+// Strided is Count descriptors of Len bytes at Addr, Addr+Stride, ...,
+// Addr+(Count-1)*Stride on device DevID: one region's blocks of a KV cache.
+type Strided struct {
+	Addr, Stride, Len, Count, DevID uint64
+}
+
+// StridedPreparer is implemented by agents that keep a descriptor list as
+// strided runs, checking each run once instead of expanding it (a large
+// model's remote list is 1.6M descriptors but a few hundred runs). The list
+// behaves exactly as PrepDescList's of the expanded descriptors: index i of
+// run r is the sum of the earlier runs' counts plus i.
+type StridedPreparer interface {
+	PrepStridedDescList(agent string, mem MemType, runs []Strided) (DescList, error)
+}
+
+// maxStridedDescs bounds the expanded length of a strided list (the index
+// arrays that address it are int32).
+const maxStridedDescs = 1<<31 - 1
+
+// PrepStrided prepares runs on a: through StridedPreparer when a implements
+// it, else as PrepDescList of the expanded descriptors.
+func PrepStrided(a Agent, agent string, mem MemType, runs []Strided) (DescList, error) {
+	var n uint64
+	for i, r := range runs {
+		if err := r.check(); err != nil {
+			return nil, Errorf(ErrInvalidParam, "PrepDescList", "run %d: %v", i, err)
+		}
+		n += r.Count
+		if n > maxStridedDescs {
+			return nil, Errorf(ErrInvalidParam, "PrepDescList", "runs expand to more than %d descriptors", maxStridedDescs)
+		}
+	}
+	if sp, ok := a.(StridedPreparer); ok {
+		return sp.PrepStridedDescList(agent, mem, runs)
+	}
+	return a.PrepDescList(agent, mem, ExpandStrided(runs))
+}
+
+// ExpandStrided lists runs' descriptors in order.
+func ExpandStrided(runs []Strided) []Desc {
+	n := 0
+	for _, r := range runs {
+		n += int(r.Count)
+	}
+	out := make([]Desc, 0, n)
+	for _, r := range runs {
+		for k := uint64(0); k < r.Count; k++ {
+			out = append(out, Desc{Addr: r.Addr + k*r.Stride, Len: r.Len, DevID: r.DevID})
+		}
+	}
+	return out
+}
+
+// check reports a run that is empty or whose last byte overflows.
+func (r Strided) check() error {
+	if r.Len == 0 || r.Count == 0 {
+		return fmt.Errorf("empty run (len %d, count %d)", r.Len, r.Count)
+	}
+	if _, ok := r.End(); !ok {
+		return fmt.Errorf("run %#x + %d x %d (+%d) overflows", r.Addr, r.Count-1, r.Stride, r.Len)
+	}
+	return nil
+}
+
+// End returns the end of the run's last descriptor (exclusive) and whether
+// it is representable.
+func (r Strided) End() (uint64, bool) {
+	if r.Count == 0 {
+		return r.Addr, true
+	}
+	hi, span := bits.Mul64(r.Count-1, r.Stride)
+	if hi != 0 {
+		return 0, false
+	}
+	last, c1 := bits.Add64(r.Addr, span, 0)
+	end, c2 := bits.Add64(last, r.Len, 0)
+	return end, c1 == 0 && c2 == 0
 }

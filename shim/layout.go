@@ -330,14 +330,14 @@ func blockDim(shape []int64, numBlocks int64) int {
 	return -1
 }
 
-// descs returns one descriptor per (region, block), region-major: the id of
-// block b in region r is r*NumBlocks + b.
-func layoutDescs(regions []Region, numBlocks int64, dev uint64) []nixl.Desc {
-	out := make([]nixl.Desc, 0, int64(len(regions))*numBlocks)
-	for _, r := range regions {
-		for b := int64(0); b < numBlocks; b++ {
-			out = append(out, nixl.Desc{Addr: r.Base + uint64(b)*r.Stride, Len: r.Len, DevID: dev})
-		}
+// layoutRuns returns one strided run per region, numBlocks long: the
+// descriptors, one per (region, block), region-major (block b of region r
+// is descriptor r*numBlocks + b), for nixl.PrepStrided (an engine that keeps
+// runs never expands them).
+func layoutRuns(regions []Region, numBlocks int64, dev uint64) []nixl.Strided {
+	out := make([]nixl.Strided, len(regions))
+	for i, r := range regions {
+		out[i] = nixl.Strided{Addr: r.Base, Stride: r.Stride, Len: r.Len, Count: uint64(numBlocks), DevID: dev}
 	}
 	return out
 }

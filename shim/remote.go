@@ -282,7 +282,7 @@ func (w *Worker) prepareRemote(engineID, host string, port int, plan tpPlan, res
 		}
 		// The engine checks every descriptor against the regions the peer
 		// registered: a lying peer gets an error here, not a wild read.
-		rr.list, err = w.agent.PrepDescList(name, w.layout.Mem, layoutDescs(regs, md.NumBlocks, uint64(md.DeviceID)))
+		rr.list, err = nixl.PrepStrided(w.agent, name, w.layout.Mem, layoutRuns(regs, md.NumBlocks, uint64(md.DeviceID)))
 		if err != nil {
 			return nil, fmt.Errorf("prepare remote descriptors (tp_rank %d): %w", tp, err)
 		}
@@ -320,7 +320,7 @@ func (w *Worker) ensureSlotLists(n int) error {
 			part := r.Len / uint64(n)
 			regs[i] = Region{Base: r.Base + uint64(slot)*part, Len: part, Stride: r.Stride, Group: r.Group}
 		}
-		l, err := w.agent.PrepDescList("", w.layout.Mem, layoutDescs(regs, w.layout.NumBlocks, w.layout.DeviceID))
+		l, err := nixl.PrepStrided(w.agent, "", w.layout.Mem, layoutRuns(regs, w.layout.NumBlocks, w.layout.DeviceID))
 		if err != nil {
 			release()
 			return fmt.Errorf("prepare local descriptors for %d slots: %w", n, err)

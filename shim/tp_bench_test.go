@@ -18,6 +18,18 @@ type benchAgent struct{ fzAgent }
 
 func (a *benchAgent) LoadRemoteMetadata(md []byte) (string, error) { return string(md), nil }
 
+// stridedBenchAgent also takes strided runs as they are (an engine that
+// keeps runs, as the ucx engine does): what is left is gonixl's own work.
+type stridedBenchAgent struct{ benchAgent }
+
+func (a *stridedBenchAgent) PrepStridedDescList(agent string, _ nixl.MemType, runs []nixl.Strided) (nixl.DescList, error) {
+	n := 0
+	for _, r := range runs {
+		n += int(r.Count)
+	}
+	return &fzList{n: n, agent: agent}, nil
+}
+
 // largeModelLayers is a FlashAttention-shaped cache of a large model on one
 // rank: layers × [2, blocks, heads, 16, 128] bfloat16 at fake addresses.
 func largeModelLayers(layers, blocks, heads int) []LayerTensor {
@@ -36,7 +48,7 @@ func largeModelLayers(layers, blocks, heads int) []LayerTensor {
 	return out
 }
 
-func benchWorker(b *testing.B, tp, rank, kvHeads, layers, blocks int) *Worker {
+func benchWorker(b *testing.B, tp, rank, kvHeads, layers, blocks int, strided bool) *Worker {
 	b.Helper()
 	raw := map[string]any{"role": RoleWorker, "kv_role": "kv_consumer", "engine_id": "engine-d", "side_channel_port": 5600,
 		"block_size": 16, "tp_size": tp, "tp_rank": rank,
@@ -56,6 +68,9 @@ func benchWorker(b *testing.B, tp, rank, kvHeads, layers, blocks int) *Worker {
 		b.Fatal(err)
 	}
 	w.agent, w.layout, w.localList = &benchAgent{}, layout, &fzList{n: len(layout.Regions) * blocks}
+	if strided {
+		w.agent = &stridedBenchAgent{}
+	}
 	w.blockSize, w.kvLayout, w.attnBackend = 16, "LBHNC", "FLASH_ATTN"
 	return w
 }
@@ -95,7 +110,8 @@ func remoteResult(b *testing.B, remoteTP, kvHeads, layers, blocks int, plan tpPl
 // 80 layers, K and V, 8 KV heads of dim 128, 16-token blocks, 10,000
 // blocks — 1.6M descriptors per remote rank — and the 82k-descriptor case
 // (512 blocks). Engine validation is not included (see nixl/ucx
-// BenchmarkPrepDescList).
+// BenchmarkPrepDescList). "expanded": for an engine that takes descriptor
+// arrays (NIXL); "strided": for one that keeps strided runs (ucx).
 func BenchmarkFirstContactPrepare(b *testing.B) {
 	fzQuiet()
 	for _, c := range []struct {
@@ -108,36 +124,38 @@ func BenchmarkFirstContactPrepare(b *testing.B) {
 		{"D2-from-P1/80L-512blocks", 2, 1, 1, 512},
 		{"D1-from-P1/80L-512blocks", 1, 1, 0, 512},
 	} {
-		b.Run(c.name, func(b *testing.B) {
-			const layers, heads = 80, 8
-			w := benchWorker(b, c.localTP, c.rank, heads, layers, c.blocks)
-			plan, err := w.planFor(c.remoteTP)
-			if err != nil {
-				b.Fatal(err)
-			}
-			res := remoteResult(b, c.remoteTP, heads, layers, c.blocks, plan)
-			descs := 0
-			b.ReportAllocs()
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				delete(w.slotLists, plan.nSlots)
-				re, err := w.prepareRemote("engine-p", "127.0.0.1", 5600, plan, res)
+		for _, strided := range []bool{false, true} {
+			b.Run(c.name+map[bool]string{false: "/expanded", true: "/strided"}[strided], func(b *testing.B) {
+				const layers, heads = 80, 8
+				w := benchWorker(b, c.localTP, c.rank, heads, layers, c.blocks, strided)
+				plan, err := w.planFor(c.remoteTP)
 				if err != nil {
 					b.Fatal(err)
 				}
-				descs = 0
-				for _, r := range re.ranks {
-					if r.list != nil {
-						descs += r.list.Len()
+				res := remoteResult(b, c.remoteTP, heads, layers, c.blocks, plan)
+				descs := 0
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					delete(w.slotLists, plan.nSlots)
+					re, err := w.prepareRemote("engine-p", "127.0.0.1", 5600, plan, res)
+					if err != nil {
+						b.Fatal(err)
+					}
+					descs = 0
+					for _, r := range re.ranks {
+						if r.list != nil {
+							descs += r.list.Len()
+						}
+					}
+					for _, l := range w.slotLists[plan.nSlots] {
+						descs += l.Len()
 					}
 				}
-				for _, l := range w.slotLists[plan.nSlots] {
-					descs += l.Len()
-				}
-			}
-			b.ReportMetric(float64(descs), "descs/op")
-			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(descs), "ns/desc")
-		})
+				b.ReportMetric(float64(descs), "descs/op")
+				b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(descs), "ns/desc")
+			})
+		}
 	}
 }
 

@@ -181,7 +181,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	if err := agent.RegisterMem(layout.Mem, layout.Storage); err != nil {
 		return fmt.Errorf("register KV cache memory: %w", err)
 	}
-	list, err := agent.PrepDescList("", layout.Mem, layoutDescs(layout.Regions, layout.NumBlocks, layout.DeviceID))
+	list, err := nixl.PrepStrided(agent, "", layout.Mem, layoutRuns(layout.Regions, layout.NumBlocks, layout.DeviceID))
 	if err != nil {
 		return fmt.Errorf("prepare local descriptors: %w", err)
 	}

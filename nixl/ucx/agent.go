@@ -109,6 +109,7 @@ func (p *peer) checkDead(now time.Time) bool {
 // The optional capabilities this engine's agent provides (nixl/capabilities.go).
 var (
 	_ nixl.Agent             = (*agent)(nil)
+	_ nixl.StridedPreparer   = (*agent)(nil)
 	_ nixl.Describer         = (*agent)(nil)
 	_ nixl.EndpointDescriber = (*agent)(nil)
 	_ nixl.NotifDropCounter  = (*agent)(nil)
@@ -800,16 +801,48 @@ type descEnt struct {
 }
 
 type descList struct {
-	a        *agent
-	agent    string
-	peer     *peer // nil for local lists
-	gen      uint64
-	mem      nixl.MemType
+	a     *agent
+	agent string
+	peer  *peer // nil for local lists
+	gen   uint64
+	mem   nixl.MemType
+	// One of: ents (PrepDescList), or runs of n descriptors in all
+	// (PrepStridedDescList).
 	ents     []descEnt
+	runs     []descRun
+	n        int
 	released bool
 }
 
-func (d *descList) Len() int      { return len(d.ents) }
+// descRun is a strided run: descriptor first+k is at addr + k*stride.
+type descRun struct {
+	first             int
+	addr, stride, len uint64
+	idx               uint32
+}
+
+// ent returns descriptor i (in range); hint caches the run of the last
+// lookup, as MakeXfer's indices mostly walk a run in order.
+func (d *descList) ent(i int32, hint *int) descEnt {
+	if d.runs == nil {
+		return d.ents[i]
+	}
+	k := int(i)
+	h := *hint
+	if h >= len(d.runs) || k < d.runs[h].first || (h+1 < len(d.runs) && k >= d.runs[h+1].first) {
+		h = sort.Search(len(d.runs), func(j int) bool { return d.runs[j].first > k }) - 1
+		*hint = h
+	}
+	r := &d.runs[h]
+	return descEnt{addr: r.addr + uint64(k-r.first)*r.stride, len: r.len, idx: r.idx}
+}
+
+func (d *descList) Len() int {
+	if d.runs != nil {
+		return d.n
+	}
+	return len(d.ents)
+}
 func (d *descList) Agent() string { return d.agent }
 func (d *descList) Release() error {
 	d.a.mu.Lock()
@@ -818,7 +851,7 @@ func (d *descList) Release() error {
 		return nixl.Errorf(nixl.ErrInvalidParam, "ReleaseDescList", "descriptor list released twice")
 	}
 	d.released = true
-	d.ents = nil
+	d.ents, d.runs = nil, nil
 	return nil
 }
 
@@ -829,45 +862,18 @@ func (a *agent) PrepDescList(agentName string, mem nixl.MemType, descs []nixl.De
 			return nil, nixl.Errorf(nixl.ErrInvalidParam, op, "descriptor %d: bad range %#x+%d", i, x.Addr, x.Len)
 		}
 	}
-	// The regions are snapshotted under the lock and the descriptors
-	// checked without it: a large list (a big model's 1.6M descriptors)
-	// must not stall transfers in flight. A registration change made
-	// meanwhile is detected when the list is installed.
-	a.mu.Lock()
-	if err := a.checkOpen(op); err != nil {
-		a.mu.Unlock()
+	snap, err := a.snapshotRegions(op, agentName, mem)
+	if err != nil {
 		return nil, err
 	}
-	d := &descList{a: a, agent: agentName, mem: mem}
-	var p *peer
-	var local []*localRegion
-	if agentName == "" {
-		local = slices.Clone(a.regions[mem])
-	} else if agentName == a.name {
-		var err error
-		if p, err = a.selfPeer(); err != nil {
-			a.mu.Unlock()
-			return nil, err
-		}
-	} else if p = a.peers[agentName]; p == nil {
-		a.mu.Unlock()
-		return nil, nixl.Errorf(nixl.ErrNotFound, op, "no metadata loaded for agent %q", agentName)
-	}
-	var remote []remoteRegion
-	var gen uint64
-	if p != nil {
-		remote, gen = p.regions, p.gen // replaced, never changed in place
-	}
-	a.mu.Unlock()
-
 	ents := make([]descEnt, len(descs))
-	if p == nil {
+	if snap.p == nil {
 		var last *localRegion
 		for i, x := range descs {
 			// Descriptors come in runs over one region: try the last first.
 			lr := last
 			if lr == nil || lr.DevID != x.DevID || x.Addr < lr.Addr || x.Addr+x.Len > lr.Addr+lr.Len {
-				if lr = findCover(local, x); lr == nil {
+				if lr = findCover(snap.local, x); lr == nil {
 					return nil, nixl.Errorf(nixl.ErrNotFound, op,
 						"descriptor %d (%#x+%d dev %d) is not inside a registered %v region", i, x.Addr, x.Len, x.DevID, mem)
 				}
@@ -880,7 +886,7 @@ func (a *agent) PrepDescList(agentName string, mem nixl.MemType, descs []nixl.De
 		for i, x := range descs {
 			r := last
 			if r == nil || r.dev != x.DevID || x.Addr < r.addr || x.Addr+x.Len > r.addr+r.len {
-				if r = findRemote(remote, mem, x); r == nil {
+				if r = findRemote(snap.remote, mem, x); r == nil {
 					return nil, nixl.Errorf(nixl.ErrNotFound, op,
 						"descriptor %d (%#x+%d dev %d) is outside every %v region agent %q advertised", i, x.Addr, x.Len, x.DevID, mem, agentName)
 				}
@@ -889,22 +895,105 @@ func (a *agent) PrepDescList(agentName string, mem nixl.MemType, descs []nixl.De
 			ents[i] = descEnt{addr: x.Addr, len: x.Len, idx: r.rkey}
 		}
 	}
+	d := &descList{a: a, agent: agentName, mem: mem, ents: ents}
+	return d, a.installList(op, d, snap)
+}
 
+// PrepStridedDescList prepares a list kept as strided runs (nixl.Strided):
+// each run is checked once, as one span that a single registered (or
+// advertised) region must hold, and nothing is expanded, so a large
+// model's first contact costs microseconds rather than a pass over 1.6M
+// descriptors. Runs whose span no single region holds (a peer that
+// registered every block on its own) are expanded and checked one
+// descriptor at a time, as PrepDescList does.
+func (a *agent) PrepStridedDescList(agentName string, mem nixl.MemType, runs []nixl.Strided) (nixl.DescList, error) {
+	const op = "PrepDescList"
+	snap, err := a.snapshotRegions(op, agentName, mem)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]descRun, 0, len(runs))
+	first := 0
+	for i, r := range runs {
+		end, ok := r.End()
+		if r.Len == 0 || r.Count == 0 || !ok || first+int(r.Count) < first || uint64(first)+r.Count > 1<<31-1 {
+			return nil, nixl.Errorf(nixl.ErrInvalidParam, op, "run %d: bad run %#x + %d x %d (+%d)", i, r.Addr, r.Count, r.Stride, r.Len)
+		}
+		span := nixl.Desc{Addr: r.Addr, Len: end - r.Addr, DevID: r.DevID}
+		var idx uint32
+		if snap.p == nil {
+			lr := findCover(snap.local, span)
+			if lr == nil {
+				return a.PrepDescList(agentName, mem, nixl.ExpandStrided(runs))
+			}
+			idx = lr.memh
+		} else {
+			rr := findRemote(snap.remote, mem, span)
+			if rr == nil {
+				return a.PrepDescList(agentName, mem, nixl.ExpandStrided(runs))
+			}
+			idx = rr.rkey
+		}
+		out = append(out, descRun{first: first, addr: r.Addr, stride: r.Stride, len: r.Len, idx: idx})
+		first += int(r.Count)
+	}
+	d := &descList{a: a, agent: agentName, mem: mem, runs: out, n: first}
+	return d, a.installList(op, d, snap)
+}
+
+// regionSnap is the registration state a list is checked against, taken
+// under the agent lock and checked without it: a large list must not stall
+// transfers in flight. A change made meanwhile is detected at install.
+type regionSnap struct {
+	p      *peer // nil for a local list
+	local  []*localRegion
+	remote []remoteRegion
+	gen    uint64
+}
+
+func (a *agent) snapshotRegions(op, agentName string, mem nixl.MemType) (regionSnap, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var s regionSnap
+	if err := a.checkOpen(op); err != nil {
+		return s, err
+	}
+	switch {
+	case agentName == "":
+		s.local = slices.Clone(a.regions[mem])
+		return s, nil
+	case agentName == a.name:
+		p, err := a.selfPeer()
+		if err != nil {
+			return s, err
+		}
+		s.p = p
+	default:
+		if s.p = a.peers[agentName]; s.p == nil {
+			return s, nixl.Errorf(nixl.ErrNotFound, op, "no metadata loaded for agent %q", agentName)
+		}
+	}
+	s.remote, s.gen = s.p.regions, s.p.gen // replaced, never changed in place
+	return s, nil
+}
+
+// installList binds d to the state it was checked against, or fails when
+// that state changed meanwhile.
+func (a *agent) installList(op string, d *descList, s regionSnap) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if err := a.checkOpen(op); err != nil {
-		return nil, err
+		return err
 	}
-	if p != nil {
-		if agentName != a.name && (a.peers[agentName] != p || p.gen != gen) {
-			return nil, nixl.Errorf(nixl.ErrNotFound, op, "metadata of agent %q was invalidated or reloaded while the list was prepared", agentName)
+	if s.p != nil {
+		if d.agent != a.name && (a.peers[d.agent] != s.p || s.p.gen != s.gen) {
+			return nixl.Errorf(nixl.ErrNotFound, op, "metadata of agent %q was invalidated or reloaded while the list was prepared", d.agent)
 		}
-		d.peer, d.gen = p, gen
-	} else if !slices.Equal(local, a.regions[mem]) {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, op, "memory was registered or deregistered while the list was prepared; prepare it again")
+		d.peer, d.gen = s.p, s.gen
+	} else if !slices.Equal(s.local, a.regions[d.mem]) {
+		return nixl.Errorf(nixl.ErrInvalidParam, op, "memory was registered or deregistered while the list was prepared; prepare it again")
 	}
-	d.ents = ents
-	return d, nil
+	return nil
 }
 
 // findCover returns a region of rs (sorted by Addr) holding all of x.
@@ -968,12 +1057,14 @@ func (a *agent) MakeXfer(xop nixl.XferOp, local nixl.DescList, localIdx []int32,
 	}
 	ops := make([]op, len(localIdx))
 	var total uint64
+	nl, nr := ll.Len(), rl.Len()
+	var lh, rh int
 	for i := range localIdx {
 		li, ri := localIdx[i], remoteIdx[i]
-		if err := nixl.CheckPairRange(i, li, ri, len(ll.ents), len(rl.ents)); err != nil {
+		if err := nixl.CheckPairRange(i, li, ri, nl, nr); err != nil {
 			return nil, err
 		}
-		le, re := ll.ents[li], rl.ents[ri]
+		le, re := ll.ent(li, &lh), rl.ent(ri, &rh)
 		if err := nixl.CheckPairLengths(i, le.len, re.len); err != nil {
 			return nil, err
 		}

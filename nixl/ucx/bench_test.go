@@ -99,5 +99,35 @@ func BenchmarkPrepDescList(b *testing.B) {
 			}
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(len(descs)), "ns/desc")
 		})
+		// The same list as strided runs (one per region), not expanded.
+		b.Run(itoa(160*blocks)+"descs-strided", func(b *testing.B) {
+			const regions, blk = 160, 64
+			a, peer := newAgent(b, "A", nil, false), newAgent(b, "B", nil, false)
+			var runs []nixl.Strided
+			for r := 0; r < regions; r++ {
+				buf := mmapBuf(b, blocks*blk)
+				if err := peer.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(buf), Len: uint64(blocks * blk)}}); err != nil {
+					b.Fatal(err)
+				}
+				runs = append(runs, nixl.Strided{Addr: addrOf(buf), Stride: blk, Len: blk / 2, Count: uint64(blocks)})
+			}
+			md, err := peer.LocalMetadata()
+			if err != nil {
+				b.Fatal(err)
+			}
+			if _, err := a.LoadRemoteMetadata(md); err != nil {
+				b.Fatal(err)
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				l, err := nixl.PrepStrided(a, "B", nixl.DRAM, runs)
+				if err != nil {
+					b.Fatal(err)
+				}
+				_ = l.Release()
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(regions*blocks), "ns/desc")
+		})
 	}
 }

@@ -1,0 +1,154 @@
+//go:build cgo && !gonixl_noucx
+
+package ucx
+
+import (
+	"bytes"
+	"math/rand/v2"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/gonixl/gonixl/nixl"
+)
+
+// stridedPair registers nreg regions of nblk blocks of blk bytes on each of
+// A and B (B's hold a pattern) and returns the runs covering half of each
+// block (a head slice at offset off), region-major.
+func stridedPair(t *testing.T, nreg, nblk, blk int, off uint64) (p *pairT, local, remote []nixl.Strided) {
+	t.Helper()
+	p = newPair(t, nreg*nblk*blk, nil, false)
+	for i := range p.bufB {
+		p.bufB[i] = byte(i*31 + i>>9)
+	}
+	for r := 0; r < nreg; r++ {
+		base := uint64(r * nblk * blk)
+		local = append(local, nixl.Strided{Addr: addrOf(p.bufA) + base + off, Stride: uint64(blk), Len: uint64(blk / 2), Count: uint64(nblk)})
+		remote = append(remote, nixl.Strided{Addr: addrOf(p.bufB) + base + off, Stride: uint64(blk), Len: uint64(blk / 2), Count: uint64(nblk)})
+	}
+	return p, local, remote
+}
+
+// A strided list addresses exactly the descriptors of its expansion: the
+// same operations for random index arrays, and a READ through it moves the
+// right bytes.
+func TestStridedListMatchesExpanded(t *testing.T) {
+	const nreg, nblk, blk = 5, 64, 256
+	p, lruns, rruns := stridedPair(t, nreg, nblk, blk, blk/2)
+	ls, err := nixl.PrepStrided(p.a, "", nixl.DRAM, lruns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rs, err := nixl.PrepStrided(p.a, "B", nixl.DRAM, rruns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ls.(*descList).runs == nil || rs.(*descList).runs == nil {
+		t.Fatal("the ucx engine expanded strided runs")
+	}
+	le, err := p.a.PrepDescList("", nixl.DRAM, nixl.ExpandStrided(lruns))
+	if err != nil {
+		t.Fatal(err)
+	}
+	re, err := p.a.PrepDescList("B", nixl.DRAM, nixl.ExpandStrided(rruns))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ls.Len() != nreg*nblk || ls.Len() != le.Len() {
+		t.Fatalf("Len %d, expanded %d", ls.Len(), le.Len())
+	}
+	rng := rand.New(rand.NewPCG(7, 11))
+	for trial := 0; trial < 50; trial++ {
+		n := 1 + rng.IntN(200)
+		li, ri := make([]int32, n), make([]int32, n)
+		for i := range li {
+			li[i], ri[i] = int32(rng.IntN(nreg*nblk)), int32(rng.IntN(nreg*nblk))
+		}
+		if trial%2 == 0 { // in order, as a request's blocks are
+			slices.Sort(li)
+			slices.Sort(ri)
+		}
+		xs, err := p.a.MakeXfer(nixl.Read, ls, li, rs, ri, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		xe, err := p.a.MakeXfer(nixl.Read, le, li, re, ri, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(xs.(*xfer).ops, xe.(*xfer).ops) {
+			t.Fatalf("trial %d: strided ops differ from expanded ops", trial)
+		}
+		_, _ = xs.Release(), xe.Release()
+	}
+	if _, err := p.a.MakeXfer(nixl.Read, ls, []int32{int32(nreg * nblk)}, rs, []int32{0}, nil); nixl.StatusOf(err) != nixl.ErrInvalidParam {
+		t.Fatalf("index past the strided list: %v", err)
+	}
+	// Every block's slice, READ through the strided lists.
+	all := make([]int32, nreg*nblk)
+	for i := range all {
+		all[i] = int32(i)
+	}
+	x, err := p.a.MakeXfer(nixl.Read, ls, all, rs, all, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := x.Post(); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := wait(t, x, p.b, 10*time.Second); st != nixl.Success {
+		t.Fatalf("READ: %v %v", st, err)
+	}
+	_ = x.Release()
+	for b := 0; b < nreg*nblk; b++ {
+		o := b*blk + blk/2
+		if !bytes.Equal(p.bufA[o:o+blk/2], p.bufB[o:o+blk/2]) {
+			t.Fatalf("block %d: slice not read", b)
+		}
+		if p.bufA[b*blk] != 0 {
+			t.Fatalf("block %d: bytes outside the slice written", b)
+		}
+	}
+}
+
+// Runs are checked against the registrations: one outside every region
+// fails as a descriptor would; one that several regions hold between them
+// (not one alone) falls back to per-descriptor checks and works.
+func TestStridedListChecks(t *testing.T) {
+	const blk = 4096
+	p := newPair(t, 8*blk, nil, false)
+	base := addrOf(p.bufB)
+	if _, err := nixl.PrepStrided(p.a, "B", nixl.DRAM, []nixl.Strided{{Addr: base, Stride: blk, Len: blk, Count: 9}}); nixl.StatusOf(err) != nixl.ErrNotFound {
+		t.Fatalf("run one block past the region: %v, want NOT_FOUND", err)
+	}
+	if _, err := nixl.PrepStrided(p.a, "B", nixl.DRAM, []nixl.Strided{{Addr: base, Stride: 1 << 62, Len: blk, Count: 8}}); nixl.StatusOf(err) != nixl.ErrInvalidParam {
+		t.Fatalf("overflowing run: %v, want INVALID_PARAM", err)
+	}
+	if _, err := nixl.PrepStrided(p.a, "B", nixl.DRAM, []nixl.Strided{{Addr: base, Stride: blk, Len: blk, Count: 0}}); nixl.StatusOf(err) != nixl.ErrInvalidParam {
+		t.Fatalf("empty run: %v, want INVALID_PARAM", err)
+	}
+
+	// A peer that registered each block alone.
+	q := newPair(t, blk, nil, false)
+	c := newAgent(t, "C", nil, false)
+	buf := mmapBuf(t, 4*blk)
+	for i := 0; i < 4; i++ {
+		if err := c.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(buf) + uint64(i*blk), Len: blk}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	md, err := c.LocalMetadata()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := q.a.LoadRemoteMetadata(md); err != nil {
+		t.Fatal(err)
+	}
+	l, err := nixl.PrepStrided(q.a, "C", nixl.DRAM, []nixl.Strided{{Addr: addrOf(buf), Stride: blk, Len: blk, Count: 4}})
+	if err != nil {
+		t.Fatalf("blocks registered one by one: %v", err)
+	}
+	if l.Len() != 4 || l.(*descList).runs != nil {
+		t.Fatalf("fallback list: len %d, runs %v", l.Len(), l.(*descList).runs)
+	}
+}
