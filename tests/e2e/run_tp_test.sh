@@ -24,6 +24,9 @@
 #
 # vLLM's CPU backend runs TP = 2 here with its shared-memory communicator
 # (one worker process per rank). Every process is stopped on exit (lib.sh).
+# GONIXL_TP_DEBUG_PORTS=BASE gives instance i (in start order) GONIXL_METRICS_PORT BASE+10*i
+# and GONIXL_DEBUG_PPROF=1: Go stacks of every process at /debug/pprof/goroutine?debug=2
+# (docs/ENVIRONMENT.md), for looking at a slow or stuck run.
 # Other knobs as run_interop_test.sh (GONIXL_INTEROP_PROMPTS, default 12 here;
 # GONIXL_INTEROP_LEASE, GONIXL_E2E_LOGS, GONIXL_E2E_TIMEOUT).
 set -euo pipefail
@@ -84,6 +87,7 @@ parallel_args() { # kind
 }
 
 declare -A PORT SIDE
+NINST=0
 for c in "${COMBOS[@]}"; do
   for inst in "prefill-${c%-*}" "decode-${c#*-}"; do
     [ -z "${PORT[$inst]:-}" ] || continue
@@ -94,7 +98,13 @@ for c in "${COMBOS[@]}"; do
     saved=("${COMMON[@]}")
     # shellcheck disable=SC2207
     COMMON+=($(parallel_args "$kind"))
-    start_vllm "$inst" "${PORT[$inst]}" "${SIDE[$inst]}" "$(kv_config "$kind" "$role")" VLLM_SERVER_DEV_MODE=1
+    debug=()
+    if [ -n "${GONIXL_TP_DEBUG_PORTS:-}" ]; then
+      debug=(GONIXL_METRICS_PORT=$((GONIXL_TP_DEBUG_PORTS + 10 * NINST)) GONIXL_DEBUG_PPROF=1)
+      e2e_say "$inst: Go stacks from port $((GONIXL_TP_DEBUG_PORTS + 10 * NINST)) on"
+    fi
+    NINST=$((NINST + 1))
+    start_vllm "$inst" "${PORT[$inst]}" "${SIDE[$inst]}" "$(kv_config "$kind" "$role")" VLLM_SERVER_DEV_MODE=1 "${debug[@]}"
     COMMON=("${saved[@]}")
   done
 done
