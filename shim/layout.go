@@ -264,11 +264,22 @@ func layerRegions(l LayerTensor, numBlocks int64) ([]Region, error) {
 	if bd < 0 {
 		return nil, fmt.Errorf("kv caches: layer %s: no dimension of shape %v equals num_blocks=%d", l.Name, l.Shape, numBlocks)
 	}
-	// Inner dimensions must be dense: a block is one contiguous range.
+	// Inner dimensions must be dense in some order: a block is one
+	// contiguous range. vLLM registers its GPU caches as a permuted view
+	// (logical [2, blocks, tokens, heads, dim] over HND memory, heads
+	// before tokens), so the order of the strides, not of the dimensions,
+	// decides; the bytes move as they lie in memory.
 	tooBig := fmt.Errorf("kv caches: layer %s: shape %v stride %v element size %d: sizes overflow", l.Name, l.Shape, l.Stride, l.ElemSize)
+	var dims []int
+	for j := bd + 1; j < nd; j++ {
+		if l.Shape[j] != 1 {
+			dims = append(dims, j)
+		}
+	}
+	sort.SliceStable(dims, func(a, b int) bool { return l.Stride[dims[a]] < l.Stride[dims[b]] })
 	inner := int64(1)
-	for j := nd - 1; j > bd; j-- {
-		if l.Shape[j] != 1 && l.Stride[j] != inner {
+	for _, j := range dims {
+		if l.Stride[j] != inner {
 			return nil, fmt.Errorf("kv caches: layer %s: shape %v stride %v: block contents are not contiguous (layout not supported)", l.Name, l.Shape, l.Stride)
 		}
 		if inner > math.MaxInt64/l.Shape[j] {

@@ -67,11 +67,29 @@ func TestLayoutShapes(t *testing.T) {
 	}
 }
 
+// vLLM registers its GPU caches as a permuted view: logical [2, blocks,
+// tokens, heads, dim] over HND memory [2, blocks, heads, tokens, dim]. A
+// block is still one contiguous range, in memory order.
+func TestLayoutPermutedHNDView(t *testing.T) {
+	const nb, bs, h, d = 100, 16, 4, 64
+	l := tensor([]int64{2, nb, bs, h, d}, 2)
+	l.Stride = []int64{nb * h * bs * d, h * bs * d, d, bs * d, 1}
+	got, err := BuildLayout([]LayerTensor{l}, nb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got.Regions) != 2 || got.Regions[0].Len != h*bs*d*2 || got.Regions[0].Stride != h*bs*d*2 ||
+		got.Regions[1].Base-got.Regions[0].Base != nb*h*bs*d*2 {
+		t.Fatalf("regions %+v", got.Regions)
+	}
+}
+
 func TestLayoutRejects(t *testing.T) {
 	good := tensor([]int64{2, 10, 4, 8}, 4)
 	cases := map[string]func(*LayerTensor){
 		"no block dim":        func(l *LayerTensor) { l.Shape = []int64{2, 9, 4, 8} },
-		"strided block":       func(l *LayerTensor) { l.Stride = []int64{320, 32, 1, 4} },
+		"strided block":       func(l *LayerTensor) { l.Stride = []int64{320, 40, 1, 5} },
+		"overlapping inner":   func(l *LayerTensor) { l.Stride = []int64{320, 32, 1, 2} },
 		"outside storage":     func(l *LayerTensor) { l.StorageBytes = 100 },
 		"null pointer":        func(l *LayerTensor) { l.DataPtr = 0 },
 		"shape/stride length": func(l *LayerTensor) { l.Stride = l.Stride[:2] },

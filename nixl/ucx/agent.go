@@ -5,6 +5,7 @@ package ucx
 /*
 #include <stdlib.h>
 #include "gxucx.h"
+#include "gxcuda.h"
 */
 import "C"
 
@@ -36,9 +37,10 @@ const (
 
 type localRegion struct {
 	nixl.Region
-	memh uint32    // index into agent.memhs
+	memh uint32    // index into agent.memhs; for VRAM the device ordinal (no UCX registration)
 	rkey []byte    // packed rkey, published in the metadata
 	shm  *shmLocal // data path shm: the interior re-backed by a memfd
+	cuda *mdCuda   // VRAM: the CUDA IPC export of its allocation (cuda.go)
 }
 
 type remoteRegion struct {
@@ -77,6 +79,8 @@ type peer struct {
 	shm    []*shmRemote
 	pidfd  C.int
 	shmWhy string
+
+	cuda *cudaPeer // the peer's VRAM allocations mapped here (cuda.go), nil if none
 }
 
 func sameRegions(a, b []mdRegion) bool {
@@ -89,6 +93,9 @@ func sameRegions(a, b []mdRegion) bool {
 			return false
 		}
 		if (x.Shm == nil) != (y.Shm == nil) || (x.Shm != nil && *x.Shm != *y.Shm) {
+			return false
+		}
+		if (x.Cuda == nil) != (y.Cuda == nil) || (x.Cuda != nil && *x.Cuda != *y.Cuda) {
 			return false
 		}
 	}
@@ -148,6 +155,10 @@ type agent struct {
 	prog      *progressThread
 	progFault atomic.Pointer[string] // set when the progress thread panicked; reported once
 	polled    time.Time              // last progress by a caller (Check), see progress.go
+	// CUDA devices opened for VRAM regions (cuda.go); peers' VRAM is
+	// mapped into cudaMain, the first one.
+	cudaDevs map[int]*C.gx_cuda_dev
+	cudaMain *C.gx_cuda_dev
 }
 
 func (e *engine) NewAgent(cfg nixl.AgentConfig) (nixl.Agent, error) {
@@ -254,8 +265,8 @@ func validRegion(r nixl.Region) error {
 
 func (a *agent) RegisterMem(mem nixl.MemType, regions []nixl.Region) error {
 	const op = "RegisterMem"
-	if mem != nixl.DRAM {
-		return nixl.Errorf(nixl.ErrNotSupported, op, "the ucx engine registers DRAM only, not %v", mem)
+	if mem != nixl.DRAM && mem != nixl.VRAM {
+		return nixl.Errorf(nixl.ErrNotSupported, op, "the ucx engine registers DRAM and VRAM only, not %v", mem)
 	}
 	if len(regions) == 0 {
 		return nixl.Errorf(nixl.ErrInvalidParam, op, "no regions")
@@ -264,6 +275,9 @@ func (a *agent) RegisterMem(mem nixl.MemType, regions []nixl.Region) error {
 		if err := validRegion(r); err != nil {
 			return &nixl.Error{Status: nixl.ErrInvalidParam, Op: op, Msg: err.Error()}
 		}
+	}
+	if mem == nixl.VRAM {
+		return a.registerVRAM(regions)
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -409,6 +423,9 @@ func (a *agent) DeregisterMem(mem nixl.MemType, regions []nixl.Region) error {
 		}
 		lr := a.regions[mem][i]
 		a.removeLocal(mem, lr)
+		if lr.cuda != nil {
+			continue // not registered with UCX; the export needs no undoing
+		}
 		if rc := C.gx_mem_unmap(a.c, a.memhs[lr.memh]); rc != 0 {
 			last = rcError(rc, op, "ucp_mem_unmap")
 		}
@@ -445,7 +462,7 @@ func (a *agent) localMetadataLocked() ([]byte, error) {
 	sort.Ints(mems)
 	for _, mem := range mems {
 		for _, lr := range a.regions[nixl.MemType(mem)] {
-			g := mdRegion{Mem: nixl.MemType(mem), Addr: lr.Addr, Len: lr.Len, DevID: lr.DevID, Rkey: lr.rkey}
+			g := mdRegion{Mem: nixl.MemType(mem), Addr: lr.Addr, Len: lr.Len, DevID: lr.DevID, Rkey: lr.rkey, Cuda: lr.cuda}
 			if lr.shm != nil {
 				g.Shm = lr.shm.md()
 			}
@@ -545,6 +562,11 @@ func (a *agent) loadLocked(m *metadata) error {
 	rkeys := make([]C.ucp_rkey_h, 0, len(m.Regions))
 	regions := make([]remoteRegion, 0, len(m.Regions))
 	for i, r := range m.Regions {
+		if len(r.Rkey) == 0 { // VRAM offered through CUDA IPC only
+			regions = append(regions, remoteRegion{mem: r.Mem, addr: r.Addr, len: r.Len, dev: r.DevID, rkey: uint32(len(rkeys))})
+			rkeys = append(rkeys, nil)
+			continue
+		}
 		ck := cBytes(r.Rkey)
 		if ck == nil {
 			a.destroyRkeys(rkeys)
@@ -569,6 +591,23 @@ func (a *agent) loadLocked(m *metadata) error {
 		}
 		return regions[i].addr < regions[j].addr
 	})
+	// Map the peer's VRAM before anything of the new load is kept; the
+	// previous mappings go once no copy runs through them.
+	old := p.cuda
+	p.cuda = nil
+	if err := a.attachCuda(p, m.Regions, m.Name == a.name); err != nil {
+		p.cuda = old
+		a.destroyRkeys(rkeys)
+		if fresh {
+			a.teardownPeer(p)
+		}
+		return nixl.Errorf(nixl.ErrNotSupported, op, "%v", err)
+	}
+	if old != nil {
+		a.copyMu.Lock()
+		a.closeCuda(old)
+		a.copyMu.Unlock()
+	}
 	// Transfers made against the previous load keep pointers to its rkeys
 	// until they are checked again; retire rather than destroy them.
 	p.retired = append(p.retired, p.rkeys...)
@@ -631,6 +670,7 @@ func (a *agent) teardownPeer(p *peer) {
 	p.rkeys, p.retired, p.regions = nil, nil, nil
 	a.copyMu.Lock()
 	detachShm(p)
+	a.detachCuda(p)
 	a.copyMu.Unlock()
 	p.closePidfd()
 	C.gx_ep_close(a.c, p.ep, force, closeTimeoutMs)
@@ -677,6 +717,7 @@ func (a *agent) retireLocked(p *peer, now time.Time) {
 	p.gen = 0
 	a.copyMu.Lock()
 	detachShm(p)
+	a.detachCuda(p)
 	a.copyMu.Unlock()
 	p.closePidfd()
 	r := &retiring{p: p}
@@ -1046,8 +1087,8 @@ func (a *agent) MakeXfer(xop nixl.XferOp, local nixl.DescList, localIdx []int32,
 	if ll.agent != "" || rl.agent == "" {
 		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "want a local list and a remote list, got agents %q and %q", ll.agent, rl.agent)
 	}
-	if ll.mem != nixl.DRAM || rl.mem != nixl.DRAM {
-		return nil, nixl.Errorf(nixl.ErrNotSupported, fn, "the ucx engine moves DRAM only")
+	if ll.mem != rl.mem || (ll.mem != nixl.DRAM && ll.mem != nixl.VRAM) {
+		return nil, nixl.Errorf(nixl.ErrNotSupported, fn, "the ucx engine moves DRAM to DRAM and VRAM to VRAM, not %v to %v", rl.mem, ll.mem)
 	}
 	if a.peers[rl.agent] != rl.peer || rl.peer.gen != rl.gen {
 		return nil, nixl.Errorf(nixl.ErrNotFound, fn, "metadata of agent %q was invalidated or reloaded after the list was prepared", rl.agent)
@@ -1073,7 +1114,12 @@ func (a *agent) MakeXfer(xop nixl.XferOp, local nixl.DescList, localIdx []int32,
 	}
 	ops = coalesce(ops)
 	x := &xfer{a: a, op: xop, peer: rl.peer, gen: rl.gen, ops: ops, bytes: total, descs: len(localIdx)}
-	if a.set.path.sharesMemory() && rl.peer.shm != nil {
+	if ll.mem == nixl.VRAM {
+		var err error
+		if x.cdev, x.cops, err = a.cudaOps(xop, rl.peer, ops); err != nil {
+			return nil, nixl.Errorf(nixl.ErrNotSupported, fn, "%v", err)
+		}
+	} else if a.set.path.sharesMemory() && rl.peer.shm != nil {
 		x.shmOps, x.cmaOps, x.ctls = splitShm(ops, rl.peer.shm)
 	}
 	x.c = C.gx_xfer_new()
@@ -1181,6 +1227,7 @@ func (a *agent) Close() error {
 	for x := range a.xfers {
 		C.gx_xfer_free(a.c, x.c)
 		x.c = nil
+		x.freeCuda()
 	}
 	a.xfers = nil
 	a.finishRetiringLocked()
@@ -1205,6 +1252,7 @@ func (a *agent) Close() error {
 		}
 	}
 	a.regions = nil
+	a.closeCudaDevs()
 	if pt != nil && err != nil {
 		// The thread did not stop: it may still touch the worker, so the
 		// worker is leaked rather than destroyed under it.

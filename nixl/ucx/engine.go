@@ -51,10 +51,12 @@ func (e *engine) Available() error {
 	return e.err
 }
 
-// Supports reports DRAM only: UCX detects device memory itself, but gonixl
-// only registers host memory through this engine (Debian's UCX 1.13 has no
-// CUDA transports).
-func (e *engine) Supports(mem nixl.MemType) bool { return mem == nixl.DRAM }
+// Supports reports DRAM, and VRAM where the CUDA driver loads: VRAM moves
+// by CUDA IPC between processes of one host (cuda.go), not through UCX
+// (Debian's UCX 1.13 has no CUDA transports).
+func (e *engine) Supports(mem nixl.MemType) bool {
+	return mem == nixl.DRAM || (mem == nixl.VRAM && cudaAvailable() == nil)
+}
 
 func (e *engine) Info() string {
 	if err := e.Available(); err != nil {

@@ -24,20 +24,27 @@ import (
 //	netns    u64      inode of /proc/self/ns/net (0 when unknown; version 3 only)
 //	regions  u32 count (0..maxRegions), then per region:
 //	           mem u32, addr u64, len u64, devId u64, rkey u16 n, n bytes (1..maxRkeyLen),
-//	           shm u8 (0 or 1; version 2 only), and when 1: fd u32, inode u64,
+//	           shm u8 (version 2 on; 0 or 1, and in version 4 a bit set:
+//	           1 shm, 2 cuda), and with shm: fd u32, inode u64,
 //	           device u64, token u64, base u64, length u64 (the region's
 //	           page-aligned interior that the writer re-backed with a memfd,
-//	           see shm.go)
+//	           see shm.go); then with cuda (version 4, VRAM regions): the
+//	           CUDA IPC handle of the allocation holding the region (64
+//	           bytes), the allocation's base u64 and size u64 in the writer's
+//	           address space, and the device's UUID (16 bytes); the rkey of
+//	           such a region may be empty (0 bytes: no UCX registration)
 //	crc      u32      CRC-32C of every byte before it
 //
-// A reader accepts versions 1 (no shm byte), 2 (no netns) and 3.
+// A reader accepts versions 1 (no shm byte), 2 (no netns), 3 and 4 (the
+// cuda bit); a writer writes 4 only when a region carries CUDA IPC data, so
+// that DRAM-only peers stay readable by builds that know version 3.
 // Nothing may follow the checksum. The worker address and rkeys are parsed
 // by UCX itself, which trusts their inner lengths; the checksum keeps a
 // truncated or corrupted blob from ever reaching it. A reader checks every length against
 // what remains before it reads, so a truncated or garbage blob is an error.
 const (
 	mdMagic    = "GXUCXMD\x00"
-	mdVersion  = 3
+	mdVersion  = 4
 	mdOldest   = 1    // oldest version this build reads
 	maxNameLen = 1024 // also the C side's GX_MAX_NAME
 	maxAddrLen = 1 << 20
@@ -70,8 +77,23 @@ type mdRegion struct {
 	Len   uint64
 	DevID uint64
 	Rkey  []byte
-	Shm   *mdShm // nil: not shared
+	Shm   *mdShm  // nil: not shared
+	Cuda  *mdCuda // nil: no CUDA IPC export
 }
+
+// mdCuda locates a VRAM region's allocation for CUDA IPC: the handle of the
+// allocation, its base and size in the writer's address space, and the
+// device it lives on.
+type mdCuda struct {
+	Handle     [cudaIPCHandleLen]byte
+	Base, Size uint64
+	UUID       [16]byte
+}
+
+const (
+	cudaIPCHandleLen = 64
+	mdCudaBytes      = cudaIPCHandleLen + 8 + 8 + 16
+)
 
 // mdShm locates the memfd behind a region's page-aligned interior
 // [Base, Base+Len) in the writer's process.
@@ -83,6 +105,12 @@ type mdShm struct {
 }
 
 const mdShmBytes = 4 + 8*5
+
+// Region flags (the byte after the rkey).
+const (
+	mdFlagShm  = 1
+	mdFlagCuda = 2
+)
 
 func (m *metadata) encode() ([]byte, error) {
 	if len(m.Name) == 0 || len(m.Name) > maxNameLen {
@@ -97,19 +125,28 @@ func (m *metadata) encode() ([]byte, error) {
 	if len(m.Proc.BootID) > 255 {
 		return nil, fmt.Errorf("boot id of %d bytes", len(m.Proc.BootID))
 	}
+	version := uint16(3)
+	for _, r := range m.Regions {
+		if r.Cuda != nil {
+			version = 4
+		}
+	}
 	size := 8 + 2 + 2 + 4 + 2 + len(m.Name) + 4 + len(m.Address) + 1 + len(m.Proc.BootID) + 8 + 4 + 8 + 8 + 4 + 4
 	for _, r := range m.Regions {
-		if len(r.Rkey) == 0 || len(r.Rkey) > maxRkeyLen {
+		if (len(r.Rkey) == 0 && r.Cuda == nil) || len(r.Rkey) > maxRkeyLen {
 			return nil, fmt.Errorf("rkey length %d outside 1..%d", len(r.Rkey), maxRkeyLen)
 		}
 		size += 4 + 8 + 8 + 8 + 2 + len(r.Rkey) + 1
 		if r.Shm != nil {
 			size += mdShmBytes
 		}
+		if r.Cuda != nil {
+			size += mdCudaBytes
+		}
 	}
 	b := make([]byte, 0, size)
 	b = append(b, mdMagic...)
-	b = binary.LittleEndian.AppendUint16(b, mdVersion)
+	b = binary.LittleEndian.AppendUint16(b, version)
 	b = binary.LittleEndian.AppendUint16(b, 0)
 	b = binary.LittleEndian.AppendUint32(b, m.UCXVersion)
 	b = binary.LittleEndian.AppendUint16(b, uint16(len(m.Name)))
@@ -130,17 +167,28 @@ func (m *metadata) encode() ([]byte, error) {
 		b = binary.LittleEndian.AppendUint64(b, r.DevID)
 		b = binary.LittleEndian.AppendUint16(b, uint16(len(r.Rkey)))
 		b = append(b, r.Rkey...)
-		if r.Shm == nil {
-			b = append(b, 0)
-			continue
+		var flags byte
+		if r.Shm != nil {
+			flags |= mdFlagShm
 		}
-		b = append(b, 1)
-		b = binary.LittleEndian.AppendUint32(b, r.Shm.Fd)
-		b = binary.LittleEndian.AppendUint64(b, r.Shm.Ino)
-		b = binary.LittleEndian.AppendUint64(b, r.Shm.Dev)
-		b = binary.LittleEndian.AppendUint64(b, r.Shm.Token)
-		b = binary.LittleEndian.AppendUint64(b, r.Shm.Base)
-		b = binary.LittleEndian.AppendUint64(b, r.Shm.Len)
+		if r.Cuda != nil {
+			flags |= mdFlagCuda
+		}
+		b = append(b, flags)
+		if r.Shm != nil {
+			b = binary.LittleEndian.AppendUint32(b, r.Shm.Fd)
+			b = binary.LittleEndian.AppendUint64(b, r.Shm.Ino)
+			b = binary.LittleEndian.AppendUint64(b, r.Shm.Dev)
+			b = binary.LittleEndian.AppendUint64(b, r.Shm.Token)
+			b = binary.LittleEndian.AppendUint64(b, r.Shm.Base)
+			b = binary.LittleEndian.AppendUint64(b, r.Shm.Len)
+		}
+		if r.Cuda != nil {
+			b = append(b, r.Cuda.Handle[:]...)
+			b = binary.LittleEndian.AppendUint64(b, r.Cuda.Base)
+			b = binary.LittleEndian.AppendUint64(b, r.Cuda.Size)
+			b = append(b, r.Cuda.UUID[:]...)
+		}
 	}
 	b = binary.LittleEndian.AppendUint32(b, crc32.Checksum(b, castagnoli))
 	return b, nil
@@ -262,20 +310,39 @@ func decodeMetadata(b []byte) (*metadata, error) {
 		if g.Len == 0 || g.Addr+g.Len < g.Addr {
 			return nil, fmt.Errorf("region %d: bad range addr=%#x len=%d", i, g.Addr, g.Len)
 		}
-		if kl == 0 || kl > maxRkeyLen {
+		if (kl == 0 && version < 4) || kl > maxRkeyLen {
 			return nil, fmt.Errorf("region %d: rkey length %d outside 1..%d", i, kl, maxRkeyLen)
 		}
 		g.Rkey = append([]byte(nil), r.take(kl, "rkey")...)
 		if version >= 2 {
-			if f := r.take(1, "shm flag"); f != nil && f[0] > 1 {
-				return nil, fmt.Errorf("region %d: shm flag %d", i, f[0])
-			} else if f != nil && f[0] == 1 {
+			maxFlags := byte(mdFlagShm)
+			if version >= 4 {
+				maxFlags |= mdFlagCuda
+			}
+			f := r.take(1, "region flags")
+			if f != nil && f[0]&^maxFlags != 0 {
+				return nil, fmt.Errorf("region %d: flags %#x", i, f[0])
+			}
+			if f != nil && f[0]&mdFlagShm != 0 {
 				sh := &mdShm{Fd: r.u32("shm fd"), Ino: r.u64("shm inode"), Dev: r.u64("shm device"),
 					Token: r.u64("shm token"), Base: r.u64("shm base"), Len: r.u64("shm length")}
 				if r.err == nil && (sh.Len == 0 || sh.Base < g.Addr || sh.Base+sh.Len < sh.Base || sh.Base+sh.Len > g.Addr+g.Len) {
 					return nil, fmt.Errorf("region %d: shared range %#x+%d outside the region %#x+%d", i, sh.Base, sh.Len, g.Addr, g.Len)
 				}
 				g.Shm = sh
+			}
+			if f != nil && f[0]&mdFlagCuda != 0 {
+				c := &mdCuda{}
+				copy(c.Handle[:], r.take(cudaIPCHandleLen, "cuda ipc handle"))
+				c.Base, c.Size = r.u64("cuda allocation base"), r.u64("cuda allocation size")
+				copy(c.UUID[:], r.take(16, "cuda device uuid"))
+				if r.err == nil && (g.Mem != nixl.VRAM || c.Base > g.Addr || c.Base+c.Size < c.Base || g.Addr+g.Len > c.Base+c.Size) {
+					return nil, fmt.Errorf("region %d: CUDA allocation %#x+%d does not hold the %v region %#x+%d", i, c.Base, c.Size, g.Mem, g.Addr, g.Len)
+				}
+				g.Cuda = c
+			}
+			if r.err == nil && kl == 0 && g.Cuda == nil {
+				return nil, fmt.Errorf("region %d: no rkey and no CUDA IPC handle", i)
 			}
 		}
 		m.Regions = append(m.Regions, g)

@@ -4,6 +4,7 @@ package ucx
 
 /*
 #include "gxucx.h"
+#include "gxcuda.h"
 */
 import "C"
 
@@ -28,6 +29,13 @@ type xfer struct {
 	// parts, and the peer control pages they depend on (nil otherwise).
 	shmOps, cmaOps []op
 	ctls           []unsafe.Pointer
+	// VRAM (cuda.go): the gather operations, the device that runs them,
+	// their copy on the device once uploaded, and a failed gather's message.
+	cdev     *C.gx_cuda_dev
+	cops     []cop
+	dops     uint64
+	uploaded bool
+	cudaErr  string
 	bytes          uint64
 	descs          int // descriptor pairs before coalescing
 
@@ -100,6 +108,8 @@ func (x *xfer) postUCP(fn string) (nixl.Status, error) {
 func (x *xfer) hostCopy() (copyFn func() C.int, mapped bool) {
 	p := x.peer
 	switch {
+	case x.cops != nil:
+		return x.cudaCopy(), true // reads or writes through the peer's CUDA IPC mappings
 	case !x.a.set.path.copiesHere() || !p.local || !p.sameNet || p.noCMA:
 		return nil, false
 	case x.ctls != nil:
@@ -164,6 +174,10 @@ func (x *xfer) afterHostCopy(fn string, rc C.int) (st nixl.Status, err error, do
 	case gxErrCMADenied:
 		p.noCMA = true
 		return 0, nil, false
+	case gxErrCUDA:
+		err := nixl.Errorf(nixl.ErrBackend, fn, "transfer to %s: %s", p.name, x.cudaErr)
+		x.final, x.finalErr = nixl.ErrBackend, err
+		return x.final, err, true
 	case gxErrEpFailed:
 		p.dead, p.deadWhy = true, fmt.Sprintf("peer process %d has exited", p.proc.Pid)
 		err := nixl.Errorf(nixl.ErrRemoteDiscon, fn, "transfer to %s: %s", p.name, p.deadWhy)
@@ -294,6 +308,7 @@ func (x *xfer) Release() error {
 			"the transfer's operations are still in flight and cannot be cancelled; release it after they complete or after InvalidateRemote of its peer")
 	}
 	x.released = true
+	x.freeCuda()
 	if x.c != nil { // nil once the agent closed
 		C.gx_xfer_free(a.c, x.c)
 		x.c = nil

@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 from vllm.logger import init_logger
 
 from . import _lib, errors
+from .engine import flatten_groups, layer_descriptions
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -150,15 +151,6 @@ def _json_default(o: Any):
     if isinstance(o, (set, frozenset, tuple)):
         return list(o)
     raise TypeError(f"kv_transfer_params value of type {type(o).__name__} is not JSON serialisable")
-
-
-def _flatten_groups(groups) -> tuple[ctypes.Array, int, ctypes.Array, int]:
-    """Per-group block id lists -> (flat int64 array, n, group lengths, n_groups)."""
-    groups = [list(g) for g in (groups or ())]
-    flat = [b for g in groups for b in g]
-    ids = (ctypes.c_int64 * len(flat))(*flat)
-    lens = (ctypes.c_int64 * len(groups))(*[len(g) for g in groups])
-    return ids, len(flat), lens, len(groups)
 
 
 def _compat_factors(vllm_config: VllmConfig) -> dict[str, Any]:
@@ -426,7 +418,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # here they are counts.
         counts: Any = [sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks]
         computed = cast("tuple[int, ...]", self.kv_cache_config.select_transfer_block_ids(counts))
-        ids, n, lens, ng = _flatten_groups(groups)
+        ids, n, lens, ng = flatten_groups(groups)
         comp = (ctypes.c_int64 * len(computed))(*computed)
         mutated = ctypes.c_int32(0)
         rid = _s(request.request_id)
@@ -476,7 +468,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if len(block_ids) == len(self.kv_cache_config.kv_cache_groups):
             block_ids = self.kv_cache_config.select_transfer_block_ids(block_ids)
-        ids, n, lens, ng = _flatten_groups(block_ids)
+        ids, n, lens, ng = flatten_groups(block_ids)
         rid = _s(request.request_id)
         delay = ctypes.c_int32(0)
         try:
@@ -536,27 +528,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # Every layer goes to the library with its KV-cache group and kind;
         # the library puts the regions in vLLM's NixlConnector order (model
         # layer order, shared tensors once) and skips layers without a spec.
-        specs = _layer_specs(self.kv_cache_config)
-        layers = []
-        for name, t in kv_caches.items():
-            st = t.untyped_storage()
-            group, kind, window = specs.get(name, (-1, "", 0))
-            layers.append(
-                {
-                    "name": name,
-                    "group": group,
-                    "kind": kind,
-                    "sliding_window": window,
-                    "data_ptr": t.data_ptr(),
-                    "storage_ptr": st.data_ptr(),
-                    "storage_bytes": st.nbytes(),
-                    "elem_size": t.element_size(),
-                    "shape": list(t.shape),
-                    "stride": list(t.stride()),
-                    "device": t.device.type,
-                    "device_index": t.device.index if t.device.index is not None else 0,
-                }
-            )
+        layers = layer_descriptions(kv_caches, _layer_specs(self.kv_cache_config))
         backends = get_current_attn_backends(self._vllm_config)
         init = {
             "layers": layers,

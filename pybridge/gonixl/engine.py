@@ -1,0 +1,242 @@
+"""gonixl's engine without vLLM: the scheduler and worker handles of the
+library with plain Python arguments.
+
+:mod:`gonixl.vllm` adapts vLLM's connector interface onto these calls; this
+module is for everything that drives the engine without vLLM (tests, the GPU
+data-path test on machines where vLLM is not installed, tools). The
+arguments are those vLLM passes, flattened: request ids, kv_transfer_params
+dicts, per-KV-cache-group block id lists, and KV-cache tensors (any object
+with torch.Tensor's data_ptr / untyped_storage / shape / stride / device
+attributes).
+
+A process uses one library, loaded on the first call (never at import:
+vLLM forks, and a Go runtime does not survive fork).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from typing import Any, Mapping, Optional, Sequence
+
+from . import _lib
+
+
+def flatten_groups(groups: Optional[Sequence[Sequence[int]]]) -> tuple[ctypes.Array, int, ctypes.Array, int]:
+    """Per-group block id lists -> (flat int64 array, n, group lengths, n_groups)."""
+    lists = [list(g) for g in (groups or ())]
+    flat = [b for g in lists for b in g]
+    ids = (ctypes.c_int64 * len(flat))(*flat)
+    lens = (ctypes.c_int64 * len(lists))(*[len(g) for g in lists])
+    return ids, len(flat), lens, len(lists)
+
+
+def layer_descriptions(
+    kv_caches: Mapping[str, Any], specs: Optional[Mapping[str, tuple[int, str, int]]] = None
+) -> list[dict[str, Any]]:
+    """What the library needs of each KV-cache tensor: addresses, storage,
+    shape, strides, element size, device. specs maps a layer name to its
+    (KV-cache group, kind, sliding window); a layer without one is in group
+    0, full attention, unless specs is given (then it is skipped by the
+    library, as vLLM's connector skips layers without a KV-cache spec)."""
+    out = []
+    for name, t in kv_caches.items():
+        st = t.untyped_storage()
+        if specs is None:
+            group, kind, window = 0, "full", 0
+        else:
+            group, kind, window = specs.get(name, (-1, "", 0))
+        out.append(
+            {
+                "name": name,
+                "group": group,
+                "kind": kind,
+                "sliding_window": window,
+                "data_ptr": t.data_ptr(),
+                "storage_ptr": st.data_ptr(),
+                "storage_bytes": st.nbytes(),
+                "elem_size": t.element_size(),
+                "shape": list(t.shape),
+                "stride": list(t.stride()),
+                "device": t.device.type,
+                "device_index": t.device.index if t.device.index is not None else 0,
+            }
+        )
+    return out
+
+
+def _new(fn: str, config: Mapping[str, Any], role: str) -> int:
+    cfg = json.dumps({**config, "role": role}).encode()
+    h = _lib.handle_t()
+    _lib.call(fn, cfg, len(cfg), ctypes.byref(h))
+    return h.value
+
+
+def _j(x: Any) -> bytes:
+    return json.dumps(x).encode() if x else b""
+
+
+class Scheduler:
+    """The scheduler side (vLLM's EngineCore): request bookkeeping, leases,
+    the side-channel listener. config is the connector configuration
+    (docs/ENVIRONMENT.md; the keys of include/gonixl.h's config JSON)."""
+
+    def __init__(self, config: Mapping[str, Any]):
+        self.handle = _new("gonixl_scheduler_new", config, "scheduler")
+
+    def on_new_request(self, req_id: str, params: Mapping[str, Any]) -> None:
+        r, p = req_id.encode(), _j(params)
+        _lib.call("gonixl_scheduler_on_new_request", self.handle, r, len(r), p, len(p))
+
+    def get_num_new_matched_tokens(
+        self, params: Mapping[str, Any], num_prompt_tokens: int, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        p = _j(params)
+        count, is_async = ctypes.c_int64(0), ctypes.c_int32(0)
+        _lib.call(
+            "gonixl_scheduler_get_num_new_matched_tokens",
+            self.handle,
+            p,
+            len(p),
+            num_prompt_tokens,
+            num_computed_tokens,
+            ctypes.byref(count),
+            ctypes.byref(is_async),
+        )
+        return count.value, bool(is_async.value)
+
+    def update_state_after_alloc(
+        self,
+        req_id: str,
+        params: Mapping[str, Any],
+        block_ids: Sequence[Sequence[int]],
+        cached_blocks: Sequence[int],
+        num_external_tokens: int,
+    ) -> bool:
+        """Returns whether the request's params now say its remote blocks
+        were taken care of (vLLM then sets do_remote_prefill to False)."""
+        r, p = req_id.encode(), _j(params)
+        ids, n, lens, ng = flatten_groups(block_ids if num_external_tokens > 0 else ())
+        comp = (ctypes.c_int64 * len(cached_blocks))(*cached_blocks)
+        mutated = ctypes.c_int32(0)
+        _lib.call(
+            "gonixl_scheduler_update_state_after_alloc",
+            self.handle,
+            r,
+            len(r),
+            p,
+            len(p),
+            ids,
+            n,
+            lens,
+            ng,
+            comp,
+            len(cached_blocks),
+            num_external_tokens,
+            ctypes.byref(mutated),
+        )
+        return bool(mutated.value)
+
+    def build_meta(self) -> bytes:
+        return _lib.call_bytes("gonixl_scheduler_build_meta", self.handle)
+
+    def update_connector_output(self, finished_recving: Sequence[str]) -> None:
+        if finished_recving:
+            j = json.dumps(sorted(finished_recving)).encode()
+            _lib.call("gonixl_scheduler_update_connector_output", self.handle, j, len(j))
+
+    def request_finished(
+        self,
+        req_id: str,
+        params: Mapping[str, Any],
+        block_ids: Sequence[Sequence[int]],
+        finished_normally: bool,
+        num_computed_tokens: int,
+    ) -> tuple[bool, Optional[dict[str, Any]]]:
+        """(delay_free_blocks, kv_transfer_params for the response)."""
+        r, p = req_id.encode(), _j(params)
+        ids, n, lens, ng = flatten_groups(block_ids)
+        delay = ctypes.c_int32(0)
+        out = _lib.call_bytes(
+            "gonixl_scheduler_request_finished",
+            self.handle,
+            r,
+            len(r),
+            p,
+            len(p),
+            1 if finished_normally else 0,
+            num_computed_tokens,
+            ids,
+            n,
+            lens,
+            ng,
+            ctypes.byref(delay),
+            initial=256 + 16 * n,
+        )
+        return bool(delay.value), (json.loads(out) if out else None)
+
+    def set_handshake_payload(self, pp_rank: int, tp_rank: int, payload: bytes) -> None:
+        _lib.call("gonixl_scheduler_set_handshake_payload", self.handle, pp_rank, tp_rank, payload, len(payload))
+
+    def live(self) -> dict[str, int]:
+        return json.loads(_lib.call_bytes("gonixl_scheduler_live", self.handle, initial=256))
+
+    def close(self) -> None:
+        if self.handle:
+            h, self.handle = self.handle, 0
+            _lib.call("gonixl_scheduler_close", h)
+
+
+class Worker:
+    """The worker side (one per TP/PP rank): KV registration, handshakes,
+    READs, notifications."""
+
+    def __init__(self, config: Mapping[str, Any]):
+        self.handle = _new("gonixl_worker_new", config, "worker")
+
+    def register_kv_caches(
+        self,
+        layers: list[dict[str, Any]],
+        num_blocks: int,
+        block_size: int,
+        attn_backend: str = "",
+        kv_cache_layout: str = "",
+    ) -> bytes:
+        """Registers the KV caches (layers from :func:`layer_descriptions`)
+        and returns the handshake payload the scheduler serves."""
+        init = {
+            "layers": layers,
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "attn_backend": attn_backend,
+            "kv_cache_layout": kv_cache_layout,
+        }
+        j = json.dumps(init).encode()
+        _lib.call("gonixl_worker_register_kv_caches", self.handle, j, len(j))
+        return _lib.call_bytes("gonixl_worker_handshake_payload", self.handle)
+
+    def start_load_kv(self, meta: bytes) -> None:
+        _lib.call("gonixl_worker_start_load_kv", self.handle, meta, len(meta))
+
+    def get_finished(self) -> dict[str, list[str]]:
+        """finished_sending, finished_recving and failed_recving since the
+        last call."""
+        return json.loads(_lib.call_bytes("gonixl_worker_get_finished", self.handle))
+
+    def load_errors(self) -> list[int]:
+        return json.loads(_lib.call_bytes("gonixl_worker_load_errors", self.handle, initial=64))
+
+    def stats(self) -> Optional[dict[str, Any]]:
+        raw = _lib.call_bytes("gonixl_worker_stats", self.handle)
+        return json.loads(raw) if raw else None
+
+    def metrics_text(self) -> str:
+        return _lib.call_bytes("gonixl_worker_metrics", self.handle, initial=16384).decode()
+
+    def live(self) -> dict[str, int]:
+        return json.loads(_lib.call_bytes("gonixl_worker_live", self.handle, initial=256))
+
+    def close(self) -> None:
+        if self.handle:
+            h, self.handle = self.handle, 0
+            _lib.call("gonixl_worker_close", h)
