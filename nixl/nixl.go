@@ -466,3 +466,60 @@ func (r Strided) End() (uint64, bool) {
 	end, c2 := bits.Add64(last, r.Len, 0)
 	return end, c1 == 0 && c2 == 0
 }
+
+// BlockRegion is one region of a transfer given as regions × blocks: the
+// ids of its block 0 in the local and in the remote descriptor list (for a
+// KV cache prepared one strided run per region, region r's block 0 is
+// descriptor r*num_blocks).
+type BlockRegion struct{ Local, Remote int32 }
+
+// BlockXferMaker is implemented by agents that build a transfer from its
+// structure rather than from one index pair per descriptor: every region
+// of regions times every block pair k, local descriptor
+// Local+localBlocks[k] paired with remote descriptor Remote+remoteBlocks[k],
+// region-major. The transfer is the one MakeXfer makes from ExpandBlocks'
+// index arrays; an engine that keeps the structure (the ucx engine's CUDA
+// path sends the region table and the block pairs, a few kilobytes, to
+// the device) never materialises them.
+type BlockXferMaker interface {
+	MakeXferBlocks(op XferOp, local DescList, remote DescList, regions []BlockRegion, localBlocks, remoteBlocks []int32, notif []byte) (Xfer, error)
+}
+
+// MakeXferBlocks makes a regions × blocks transfer on a: through
+// BlockXferMaker when a implements it, else MakeXfer over the expanded
+// index arrays.
+func MakeXferBlocks(a Agent, op XferOp, local DescList, remote DescList, regions []BlockRegion, localBlocks, remoteBlocks []int32, notif []byte) (Xfer, error) {
+	if len(regions) == 0 || len(localBlocks) == 0 || len(localBlocks) != len(remoteBlocks) {
+		return nil, Errorf(ErrInvalidParam, "MakeXfer", "want regions and equal, non-empty block lists (%d regions, %d and %d blocks)",
+			len(regions), len(localBlocks), len(remoteBlocks))
+	}
+	if m, ok := a.(BlockXferMaker); ok {
+		return m.MakeXferBlocks(op, local, remote, regions, localBlocks, remoteBlocks, notif)
+	}
+	li, ri, err := ExpandBlocks(regions, localBlocks, remoteBlocks)
+	if err != nil {
+		return nil, err
+	}
+	return a.MakeXfer(op, local, li, remote, ri, notif)
+}
+
+// ExpandBlocks returns the index arrays of a regions × blocks transfer,
+// region-major.
+func ExpandBlocks(regions []BlockRegion, localBlocks, remoteBlocks []int32) (li, ri []int32, err error) {
+	n := len(regions) * len(localBlocks)
+	if len(localBlocks) != len(remoteBlocks) || n/max(len(regions), 1) != len(localBlocks) || n > maxStridedDescs {
+		return nil, nil, Errorf(ErrInvalidParam, "MakeXfer", "%d regions × %d/%d blocks", len(regions), len(localBlocks), len(remoteBlocks))
+	}
+	li, ri = make([]int32, 0, n), make([]int32, 0, n)
+	for _, r := range regions {
+		for k := range localBlocks {
+			l, m := int64(r.Local)+int64(localBlocks[k]), int64(r.Remote)+int64(remoteBlocks[k])
+			if l < 0 || m < 0 || l > maxStridedDescs || m > maxStridedDescs {
+				return nil, nil, Errorf(ErrInvalidParam, "MakeXfer", "region (%d, %d) block pair %d (%d, %d): index out of range",
+					r.Local, r.Remote, k, localBlocks[k], remoteBlocks[k])
+			}
+			li, ri = append(li, int32(l)), append(ri, int32(m))
+		}
+	}
+	return li, ri, nil
+}

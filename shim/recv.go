@@ -132,8 +132,7 @@ func (w *Worker) readLocked(st *recvState) {
 		w.notifyRanksLocked(st, re, notif, nil, "")
 		return
 	}
-	lidx := regionDescIDs(w.layout.Regions, w.layout.NumBlocks, local)
-	ridx := regionDescIDs(w.layout.Regions, re.numBlocks, remote)
+	mk := w.xferMaker(local, remote, re.numBlocks)
 	read := map[string]bool{}
 	// One READ per remote rank read, each carrying its notification.
 	for _, rr := range re.ranks {
@@ -144,7 +143,7 @@ func (w *Worker) readLocked(st *recvState) {
 		if re.plan.nSlots > 1 {
 			localList = w.slotLists[re.plan.nSlots][rr.slot]
 		}
-		x, err := w.agent.MakeXfer(nixl.Read, localList, lidx, rr.list, ridx, notif)
+		x, err := mk(localList, rr.list, notif)
 		if err != nil {
 			w.stats.RecordFailedTransfer()
 			w.failLocked(st, "transfer_setup_failed", fmt.Sprintf("remote tp_rank %d", rr.tp), err)
@@ -246,20 +245,60 @@ func (w *Worker) pairBlocks(rr *RecvReq, re *remoteEngine) (BlockIDs, BlockIDs, 
 // from the regions of group g and the shared ones. Local and remote lists
 // built from paired block ids with the same regions correspond entry by
 // entry.
+// xferMaker returns how this request's READ from one remote rank is made.
+// When every region holds every block (one KV-cache group, or groups that
+// share their regions) the descriptor pairs are the product of the regions
+// and the block pairs, and the engine is given that structure
+// (nixl.MakeXferBlocks: no per-descriptor index arrays here, and on an
+// engine that keeps it none at all); otherwise the index arrays of
+// regionDescIDs.
+func (w *Worker) xferMaker(local, remote BlockIDs, remoteNumBlocks int64) func(l, r nixl.DescList, notif []byte) (nixl.Xfer, error) {
+	regions := w.layout.Regions
+	if !regionsMapped(regions) {
+		lb, rb := flatBlocks(local), flatBlocks(remote)
+		br := make([]nixl.BlockRegion, len(regions))
+		for i := range regions {
+			br[i] = nixl.BlockRegion{Local: int32(int64(i) * w.layout.NumBlocks), Remote: int32(int64(i) * remoteNumBlocks)}
+		}
+		return func(l, r nixl.DescList, notif []byte) (nixl.Xfer, error) {
+			return nixl.MakeXferBlocks(w.agent, nixl.Read, l, r, br, lb, rb, notif)
+		}
+	}
+	lidx := regionDescIDs(regions, w.layout.NumBlocks, local)
+	ridx := regionDescIDs(regions, remoteNumBlocks, remote)
+	return func(l, r nixl.DescList, notif []byte) (nixl.Xfer, error) {
+		return w.agent.MakeXfer(nixl.Read, l, lidx, r, ridx, notif)
+	}
+}
+
+// regionsMapped reports whether regions belong to different KV-cache
+// groups (each group's blocks then go to its own regions).
+func regionsMapped(regions []Region) bool {
+	for _, r := range regions[1:] {
+		if r.Group != regions[0].Group {
+			return true
+		}
+	}
+	return false
+}
+
+func flatBlocks(ids BlockIDs) []int32 {
+	var out []int32
+	for _, g := range ids {
+		for _, b := range g {
+			out = append(out, int32(b))
+		}
+	}
+	return out
+}
+
 func regionDescIDs(regions []Region, numBlocks int64, ids BlockIDs) []int32 {
 	n := 0
 	for _, g := range ids {
 		n += len(g)
 	}
 	out := make([]int32, 0, n*len(regions))
-	mapped := false
-	for _, r := range regions[1:] {
-		if r.Group != regions[0].Group {
-			mapped = true
-			break
-		}
-	}
-	if !mapped {
+	if !regionsMapped(regions) {
 		for ri := range regions {
 			off := int64(ri) * numBlocks
 			for _, g := range ids {

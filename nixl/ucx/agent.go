@@ -1065,34 +1065,48 @@ func findRemote(rs []remoteRegion, mem nixl.MemType, x nixl.Desc) *remoteRegion 
 
 func (a *agent) MakeXfer(xop nixl.XferOp, local nixl.DescList, localIdx []int32, remote nixl.DescList, remoteIdx []int32, notif []byte) (nixl.Xfer, error) {
 	const fn = "MakeXfer"
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	ll, rl, err := a.xferListsLocked(fn, xop, local, remote, notif)
+	if err != nil {
+		return nil, err
+	}
+	return a.makeXferLocked(fn, xop, ll, localIdx, rl, remoteIdx, notif)
+}
+
+// xferListsLocked checks what every MakeXfer form checks: the operation,
+// the notification, and a live local and remote list of this agent.
+func (a *agent) xferListsLocked(fn string, xop nixl.XferOp, local, remote nixl.DescList, notif []byte) (ll, rl *descList, err error) {
 	if xop != nixl.Read && xop != nixl.Write {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "unknown operation %v", xop)
+		return nil, nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "unknown operation %v", xop)
 	}
 	ll, ok1 := local.(*descList)
 	rl, ok2 := remote.(*descList)
 	if !ok1 || !ok2 || ll == nil || rl == nil || ll.a != a || rl.a != a {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "descriptor lists were not prepared by this agent")
+		return nil, nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "descriptor lists were not prepared by this agent")
 	}
 	if len(notif) > int(C.GX_MAX_NOTIF) {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "notification of %d bytes, limit %d", len(notif), int(C.GX_MAX_NOTIF))
+		return nil, nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "notification of %d bytes, limit %d", len(notif), int(C.GX_MAX_NOTIF))
 	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
 	if err := a.checkOpen(fn); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if ll.released || rl.released {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "descriptor list already released")
+		return nil, nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "descriptor list already released")
 	}
 	if ll.agent != "" || rl.agent == "" {
-		return nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "want a local list and a remote list, got agents %q and %q", ll.agent, rl.agent)
+		return nil, nil, nixl.Errorf(nixl.ErrInvalidParam, fn, "want a local list and a remote list, got agents %q and %q", ll.agent, rl.agent)
 	}
 	if ll.mem != rl.mem || (ll.mem != nixl.DRAM && ll.mem != nixl.VRAM) {
-		return nil, nixl.Errorf(nixl.ErrNotSupported, fn, "the ucx engine moves DRAM to DRAM and VRAM to VRAM, not %v to %v", rl.mem, ll.mem)
+		return nil, nil, nixl.Errorf(nixl.ErrNotSupported, fn, "the ucx engine moves DRAM to DRAM and VRAM to VRAM, not %v to %v", rl.mem, ll.mem)
 	}
 	if a.peers[rl.agent] != rl.peer || rl.peer.gen != rl.gen {
-		return nil, nixl.Errorf(nixl.ErrNotFound, fn, "metadata of agent %q was invalidated or reloaded after the list was prepared", rl.agent)
+		return nil, nil, nixl.Errorf(nixl.ErrNotFound, fn, "metadata of agent %q was invalidated or reloaded after the list was prepared", rl.agent)
 	}
+	return ll, rl, nil
+}
+
+func (a *agent) makeXferLocked(fn string, xop nixl.XferOp, ll *descList, localIdx []int32, rl *descList, remoteIdx []int32, notif []byte) (nixl.Xfer, error) {
 	if err := nixl.CheckIndexArrays(localIdx, remoteIdx); err != nil {
 		return nil, err
 	}
@@ -1112,16 +1126,20 @@ func (a *agent) MakeXfer(xop nixl.XferOp, local nixl.DescList, localIdx []int32,
 		ops[i] = op{laddr: le.addr, raddr: re.addr, len: le.len, rkey: re.idx, memh: le.idx}
 		total += le.len
 	}
-	ops = coalesce(ops)
-	x := &xfer{a: a, op: xop, peer: rl.peer, gen: rl.gen, ops: ops, bytes: total, descs: len(localIdx)}
+	x := &xfer{a: a, op: xop, peer: rl.peer, gen: rl.gen, ops: coalesce(ops), bytes: total, descs: len(localIdx)}
 	if ll.mem == nixl.VRAM {
 		var err error
-		if x.cdev, x.cops, err = a.cudaOps(xop, rl.peer, ops); err != nil {
+		if x.cdev, x.cops, err = a.cudaOps(xop, rl.peer, x.ops); err != nil {
 			return nil, nixl.Errorf(nixl.ErrNotSupported, fn, "%v", err)
 		}
 	} else if a.set.path.sharesMemory() && rl.peer.shm != nil {
-		x.shmOps, x.cmaOps, x.ctls = splitShm(ops, rl.peer.shm)
+		x.shmOps, x.cmaOps, x.ctls = splitShm(x.ops, rl.peer.shm)
 	}
+	return a.finishXferLocked(fn, x, notif)
+}
+
+// finishXferLocked gives a built transfer its C state and notification.
+func (a *agent) finishXferLocked(fn string, x *xfer, notif []byte) (nixl.Xfer, error) {
 	x.c = C.gx_xfer_new()
 	if x.c == nil {
 		return nil, nixl.Errorf(nixl.ErrBackend, fn, "out of memory")
@@ -1135,6 +1153,116 @@ func (a *agent) MakeXfer(xop nixl.XferOp, local nixl.DescList, localIdx []int32,
 	}
 	a.xfers[x] = struct{}{}
 	return x, nil
+}
+
+// MakeXferBlocks is MakeXfer for a transfer of regions × blocks
+// (nixl.BlockXferMaker). When every region's blocks lie in one strided run
+// on both sides, the operations are computed from the runs (VRAM: kept as
+// a region table and block pairs for the gather kernel); otherwise the
+// index arrays are expanded and MakeXfer's rules apply.
+func (a *agent) MakeXferBlocks(xop nixl.XferOp, local, remote nixl.DescList, regions []nixl.BlockRegion, localBlocks, remoteBlocks []int32, notif []byte) (nixl.Xfer, error) {
+	const fn = "MakeXfer"
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	ll, rl, err := a.xferListsLocked(fn, xop, local, remote, notif)
+	if err != nil {
+		return nil, err
+	}
+	spans, ok := blockSpans(ll, rl, regions, localBlocks, remoteBlocks)
+	if !ok {
+		li, ri, err := nixl.ExpandBlocks(regions, localBlocks, remoteBlocks)
+		if err != nil {
+			return nil, err
+		}
+		return a.makeXferLocked(fn, xop, ll, li, rl, ri, notif)
+	}
+	n := len(regions) * len(localBlocks)
+	var total uint64
+	for _, s := range spans {
+		total += s.len * uint64(len(localBlocks))
+	}
+	x := &xfer{a: a, op: xop, peer: rl.peer, gen: rl.gen, bytes: total, descs: n}
+	if ll.mem == nixl.VRAM {
+		if x.cdev, x.cblocks, err = a.cudaBlocks(xop, rl.peer, spans, localBlocks, remoteBlocks); err != nil {
+			return nil, nixl.Errorf(nixl.ErrNotSupported, fn, "%v", err)
+		}
+		return a.finishXferLocked(fn, x, notif)
+	}
+	ops := make([]op, 0, n)
+	for _, s := range spans {
+		for k := range localBlocks {
+			ops = append(ops, op{laddr: s.laddr + uint64(localBlocks[k])*s.lstride, raddr: s.raddr + uint64(remoteBlocks[k])*s.rstride,
+				len: s.len, rkey: s.rkey, memh: s.memh})
+		}
+	}
+	x.ops = coalesce(ops)
+	if a.set.path.sharesMemory() && rl.peer.shm != nil {
+		x.shmOps, x.cmaOps, x.ctls = splitShm(x.ops, rl.peer.shm)
+	}
+	return a.finishXferLocked(fn, x, notif)
+}
+
+// blockSpan is one region of a regions × blocks transfer resolved against
+// the strided runs: block b of the region is at laddr + b*lstride locally
+// and raddr + b*rstride remotely.
+type blockSpan struct {
+	laddr, lstride, raddr, rstride, len uint64
+	memh, rkey                          uint32
+}
+
+// blockSpans resolves every region's blocks to one run on each side, after
+// the range checks MakeXfer would make; ok is false when a region's blocks
+// span runs (or a list has no runs), and then nothing is decided here.
+func blockSpans(ll, rl *descList, regions []nixl.BlockRegion, lb, rb []int32) (spans []blockSpan, ok bool) {
+	if ll.runs == nil || rl.runs == nil || len(lb) == 0 || len(lb) != len(rb) {
+		return nil, false
+	}
+	lmin, lmax := minMax(lb)
+	rmin, rmax := minMax(rb)
+	if lmin < 0 || rmin < 0 {
+		return nil, false
+	}
+	spans = make([]blockSpan, len(regions))
+	var lh, rh int
+	for i, r := range regions {
+		lr, lfirst, okl := ll.runSpan(int64(r.Local)+lmin, int64(r.Local)+lmax, &lh)
+		rr, rfirst, okr := rl.runSpan(int64(r.Remote)+rmin, int64(r.Remote)+rmax, &rh)
+		if !okl || !okr || lr.len != rr.len {
+			return nil, false
+		}
+		spans[i] = blockSpan{
+			laddr: lr.addr + uint64(int64(r.Local)-lfirst)*lr.stride, lstride: lr.stride,
+			raddr: rr.addr + uint64(int64(r.Remote)-rfirst)*rr.stride, rstride: rr.stride,
+			len: lr.len, memh: lr.idx, rkey: rr.idx,
+		}
+	}
+	return spans, true
+}
+
+func minMax(xs []int32) (lo, hi int64) {
+	lo, hi = int64(xs[0]), int64(xs[0])
+	for _, x := range xs[1:] {
+		lo, hi = min(lo, int64(x)), max(hi, int64(x))
+	}
+	return lo, hi
+}
+
+// runSpan returns the run holding descriptors lo..hi (both), with its
+// first descriptor id, if one run holds them all.
+func (d *descList) runSpan(lo, hi int64, hint *int) (descRun, int64, bool) {
+	if lo < 0 || hi >= int64(d.n) || lo > hi {
+		return descRun{}, 0, false
+	}
+	d.ent(int32(lo), hint)
+	h := *hint
+	end := int64(d.n)
+	if h+1 < len(d.runs) {
+		end = int64(d.runs[h+1].first)
+	}
+	if hi >= end {
+		return descRun{}, 0, false
+	}
+	return d.runs[h], int64(d.runs[h].first), true
 }
 
 // notifPayload frames a notification: [u16 name length][name][msg].

@@ -291,10 +291,82 @@ func gatherOps(xop nixl.XferOp, ops []op, delta []uint64, n int) []cop {
 	return cops
 }
 
+// gatherBlocks is a regions × blocks VRAM transfer as the gather_blocks
+// kernel takes it: buf holds the region table (five words a region: src,
+// dst, src stride, dst stride, length) then the block pairs (one word a
+// pair: src block | dst block << 32).
+type gatherBlocks struct {
+	buf            []uint64
+	nregs, npairs  int
+	chunk, nchunks uint64
+}
+
+// cudaBlocks builds a regions × blocks VRAM transfer's region table and
+// block pairs from its spans (MakeXferBlocks), translating the peer's
+// addresses into its mapping here.
+func (a *agent) cudaBlocks(xop nixl.XferOp, p *peer, spans []blockSpan, lb, rb []int32) (*C.gx_cuda_dev, *gatherBlocks, error) {
+	if p.cuda == nil {
+		return nil, nil, fmt.Errorf("agent %q has no VRAM mapped here", p.name)
+	}
+	dev := int(spans[0].memh)
+	d := a.cudaDevs[dev]
+	if d == nil || (d != a.cudaMain && len(p.cuda.mapped) > 0) {
+		return nil, nil, fmt.Errorf("local VRAM on device %d is not the device peers are mapped into", dev)
+	}
+	g := &gatherBlocks{nregs: len(spans), npairs: len(lb), chunk: cudaChunk}
+	g.buf = make([]uint64, 0, 5*len(spans)+len(lb))
+	var longest uint64
+	for _, s := range spans {
+		if int(s.memh) != dev {
+			return nil, nil, fmt.Errorf("a VRAM transfer's local blocks lie on devices %d and %d: one device per transfer", dev, s.memh)
+		}
+		remote := s.raddr + p.cuda.delta[s.rkey]
+		if xop == nixl.Read {
+			g.buf = append(g.buf, remote, s.laddr, s.rstride, s.lstride, s.len)
+		} else {
+			g.buf = append(g.buf, s.laddr, remote, s.lstride, s.rstride, s.len)
+		}
+		longest = max(longest, s.len)
+	}
+	for k := range lb {
+		src, dst := uint64(uint32(rb[k])), uint64(uint32(lb[k]))
+		if xop == nixl.Write {
+			src, dst = dst, src
+		}
+		g.buf = append(g.buf, src|dst<<32)
+	}
+	g.nchunks = (longest + cudaChunk - 1) / cudaChunk
+	return d, g, nil
+}
+
 // cudaCopy returns the copy function of a VRAM transfer: the first run
 // uploads its operations to the device, every run launches the gather and
 // waits for it.
 func (x *xfer) cudaCopy() func() C.int {
+	if g := x.cblocks; g != nil {
+		return func() C.int {
+			bytes := C.size_t(len(g.buf) * 8)
+			if x.dops == 0 {
+				var p C.uint64_t
+				if rc := C.gx_cuda_alloc(x.cdev, bytes, &p); rc != 0 {
+					x.cudaErr = "cuMemAlloc of the block table: " + cudaError(rc)
+					return gxErrCUDA
+				}
+				x.dops, x.uploaded = uint64(p), false
+			}
+			upload := C.int(0)
+			if !x.uploaded {
+				upload = 1
+			}
+			if rc := C.gx_cuda_gather_blocks(x.cdev, C.uint64_t(x.dops), unsafe.Pointer(&g.buf[0]), bytes,
+				C.size_t(g.nregs), C.size_t(g.npairs), C.uint64_t(g.chunk), C.uint64_t(g.nchunks), upload); rc != 0 {
+				x.cudaErr = "gather kernel: " + cudaError(rc)
+				return gxErrCUDA
+			}
+			x.uploaded = true
+			return 0
+		}
+	}
 	return func() C.int {
 		if x.dops == 0 {
 			var p C.uint64_t

@@ -188,6 +188,7 @@ int gx_cuda_dev_open(int ordinal, const char *ptx, gx_cuda_dev *d, char *err, si
     CK(C.stream_create((CUstream *)&d->stream, CU_STREAM_NON_BLOCKING));
     CK(C.module_load_data((CUmodule *)&d->module, ptx));
     CK(C.module_get_function((CUfunction *)&d->fn, d->module, "gx_gather"));
+    CK(C.module_get_function((CUfunction *)&d->fnb, d->module, "gx_gather_blocks"));
     C.ctx_pop(&popped);
     return 0;
 fail : {
@@ -310,6 +311,30 @@ int gx_cuda_free(gx_cuda_dev *d, uint64_t p) {
     if (rc != 0)
         return rc;
     rc = C.mem_free(p);
+    C.ctx_pop(&popped);
+    return rc;
+}
+
+int gx_cuda_gather_blocks(gx_cuda_dev *d, uint64_t dbuf, const void *host, size_t bytes, size_t nregs,
+                          size_t npairs, uint64_t chunk, uint64_t nchunks, int upload) {
+    CUcontext popped;
+    CUdeviceptr regs = dbuf, pairs = dbuf + nregs * 40;
+    unsigned long long nr = nregs, np = npairs, ch = chunk, nc = nchunks;
+    void *args[6] = {&regs, &nr, &pairs, &np, &ch, &nc};
+    unsigned long long items = nr * np * nc, cap = (unsigned long long)d->sms * 16;
+    int rc;
+    if (items == 0)
+        return 0;
+    rc = C.ctx_push(d->ctx);
+    if (rc != 0)
+        return rc;
+    if (upload)
+        rc = C.memcpy_htod(dbuf, host, bytes);
+    if (rc == 0)
+        rc = C.launch_kernel(d->fnb, (unsigned)(items < cap ? items : cap), 1, 1, 256, 1, 1, 0, d->stream, args,
+                             NULL);
+    if (rc == 0)
+        rc = C.stream_synchronize(d->stream);
     C.ctx_pop(&popped);
     return rc;
 }

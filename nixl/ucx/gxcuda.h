@@ -32,6 +32,7 @@ typedef struct gx_cuda_dev {
     void *stream; /* CUstream */
     void *module; /* CUmodule */
     void *fn;     /* CUfunction gx_gather */
+    void *fnb;    /* CUfunction gx_gather_blocks */
     uint8_t uuid[GX_CUDA_UUID];
 } gx_cuda_dev;
 
@@ -54,6 +55,14 @@ int gx_cuda_ipc_close(gx_cuda_dev *d, uint64_t mapped);
 typedef struct gx_cop {
     uint64_t src, dst, len;
 } gx_cop;
+
+/* gx_cuda_gather for a transfer of regions times blocks: host holds nregs
+ * region entries (src, dst, src_stride, dst_stride, len: five uint64 each)
+ * followed by npairs block pairs (src, dst: two uint32 each); every block
+ * pair of every region is copied in pieces of chunk bytes (nchunks per
+ * block, enough for the longest region's blocks). */
+int gx_cuda_gather_blocks(gx_cuda_dev *d, uint64_t dbuf, const void *host, size_t bytes, size_t nregs,
+                          size_t npairs, uint64_t chunk, uint64_t nchunks, int upload);
 
 /* Device buffer for a transfer's operations. */
 int gx_cuda_alloc(gx_cuda_dev *d, size_t bytes, uint64_t *out);

@@ -33,11 +33,12 @@ type xfer struct {
 	// their copy on the device once uploaded, and a failed gather's message.
 	cdev     *C.gx_cuda_dev
 	cops     []cop
+	cblocks  *gatherBlocks
 	dops     uint64
 	uploaded bool
 	cudaErr  string
-	bytes          uint64
-	descs          int // descriptor pairs before coalescing
+	bytes    uint64
+	descs    int // descriptor pairs before coalescing
 
 	c        *C.gx_xfer
 	posted   bool
@@ -52,7 +53,19 @@ type xfer struct {
 
 // Ops reports how many UCP operations one post issues, after coalescing,
 // and how many descriptor pairs the transfer was built from.
-func (x *xfer) Ops() (ops, descs int) { return len(x.ops), x.descs }
+func (x *xfer) Ops() (ops, descs int) { return x.opCount(), x.descs }
+
+// opCount is the number of operations one post issues: UCP operations,
+// gather operations, or the gather_blocks kernel's items.
+func (x *xfer) opCount() int {
+	switch {
+	case x.cblocks != nil:
+		return x.cblocks.nregs * x.cblocks.npairs * int(x.cblocks.nchunks)
+	case x.cops != nil:
+		return len(x.cops)
+	}
+	return len(x.ops)
+}
 
 func (x *xfer) Post() (nixl.Status, error) {
 	const fn = "Post"
@@ -108,7 +121,7 @@ func (x *xfer) postUCP(fn string) (nixl.Status, error) {
 func (x *xfer) hostCopy() (copyFn func() C.int, mapped bool) {
 	p := x.peer
 	switch {
-	case x.cops != nil:
+	case x.cops != nil || x.cblocks != nil:
 		return x.cudaCopy(), true // reads or writes through the peer's CUDA IPC mappings
 	case !x.a.set.path.copiesHere() || !p.local || !p.sameNet || p.noCMA:
 		return nil, false
@@ -279,7 +292,7 @@ func (x *xfer) Telemetry() (nixl.Telemetry, nixl.Status) {
 		PostDur:   x.postDur,
 		XferDur:   x.xferDur,
 		Bytes:     x.bytes,
-		DescCount: len(x.ops),
+		DescCount: x.opCount(),
 	}, nixl.Success
 }
 

@@ -215,7 +215,7 @@ def run_rounds(a, d: Side, conn, label: str, results: dict) -> None:
     for r in range(a.rounds + 1):
         remote = rng.sample(usable, n)
         local = rng.sample(usable, n)
-        outside = next(b for b in usable if b not in set(local))
+        outside = 0  # the null block: in no request, must stay zero
         req = f"{label}-{r}"
         conn.send(("prefill", "p-" + req, remote))
         _, delay, params = expect(conn, "params")

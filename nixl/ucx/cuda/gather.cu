@@ -12,6 +12,31 @@
 // tests/tools/gen_gather_ptx.py (NVRTC; no GPU needed) and embedded in the
 // library; the driver compiles the PTX for the device it runs on.
 
+// gx_copy: the threads of one block copy len bytes from s to d together.
+__device__ __forceinline__ void gx_copy(const char *s, char *d, unsigned long long len) {
+    const unsigned long long t = threadIdx.x, nt = blockDim.x;
+    if ((((unsigned long long)s | (unsigned long long)d) & 15ULL) == 0) {
+        const uint4 *s4 = (const uint4 *)s;
+        uint4 *d4 = (uint4 *)d;
+        const unsigned long long nv = len >> 4;
+        unsigned long long j = t;
+        for (; j + 3 * nt < nv; j += 4 * nt) {
+            const uint4 a = s4[j], b = s4[j + nt], c = s4[j + 2 * nt], e = s4[j + 3 * nt];
+            d4[j] = a;
+            d4[j + nt] = b;
+            d4[j + 2 * nt] = c;
+            d4[j + 3 * nt] = e;
+        }
+        for (; j < nv; j += nt)
+            d4[j] = s4[j];
+        for (unsigned long long k = (nv << 4) + t; k < len; k += nt)
+            d[k] = s[k];
+    } else {
+        for (unsigned long long k = t; k < len; k += nt)
+            d[k] = s[k];
+    }
+}
+
 struct gx_cop {
     unsigned long long src, dst, len;
 };
@@ -19,29 +44,37 @@ struct gx_cop {
 extern "C" __global__ void __launch_bounds__(256) gx_gather(const gx_cop *ops, unsigned long long n) {
     for (unsigned long long i = blockIdx.x; i < n; i += gridDim.x) {
         const gx_cop o = ops[i];
-        const char *s = (const char *)o.src;
-        char *d = (char *)o.dst;
-        const unsigned long long len = o.len;
-        const unsigned long long t = threadIdx.x, nt = blockDim.x;
-        if (((o.src | o.dst) & 15ULL) == 0) {
-            const uint4 *s4 = (const uint4 *)s;
-            uint4 *d4 = (uint4 *)d;
-            const unsigned long long nv = len >> 4;
-            unsigned long long j = t;
-            for (; j + 3 * nt < nv; j += 4 * nt) {
-                const uint4 a = s4[j], b = s4[j + nt], c = s4[j + 2 * nt], e = s4[j + 3 * nt];
-                d4[j] = a;
-                d4[j + nt] = b;
-                d4[j + 2 * nt] = c;
-                d4[j + 3 * nt] = e;
-            }
-            for (; j < nv; j += nt)
-                d4[j] = s4[j];
-            for (unsigned long long k = (nv << 4) + t; k < len; k += nt)
-                d[k] = s[k];
-        } else {
-            for (unsigned long long k = t; k < len; k += nt)
-                d[k] = s[k];
-        }
+        gx_copy((const char *)o.src, (char *)o.dst, o.len);
+    }
+}
+
+// gx_gather_blocks is the same copy for a transfer given as regions times
+// blocks (a KV cache's layers and K/V planes times a request's blocks):
+// item (r, k, c) copies chunk c of block pair k of region r, from
+// src_base + src_block * src_stride to dst_base + dst_block * dst_stride
+// (bytes, both within region r). The host sends a few kilobytes (the
+// region table and the block pairs) instead of one entry per descriptor.
+struct gx_creg {
+    unsigned long long src, dst, src_stride, dst_stride, len;
+};
+struct gx_cpair {
+    unsigned int src, dst;
+};
+
+extern "C" __global__ void __launch_bounds__(256)
+    gx_gather_blocks(const gx_creg *regs, unsigned long long nregs, const gx_cpair *pairs, unsigned long long npairs,
+                     unsigned long long chunk, unsigned long long nchunks) {
+    const unsigned long long per_region = npairs * nchunks, items = nregs * per_region;
+    for (unsigned long long i = blockIdx.x; i < items; i += gridDim.x) {
+        const unsigned long long r = i / per_region, rest = i - r * per_region;
+        const unsigned long long k = rest / nchunks, c = rest - k * nchunks;
+        const gx_creg g = regs[r];
+        const gx_cpair p = pairs[k];
+        const unsigned long long off = c * chunk;
+        if (off >= g.len)
+            continue;
+        const unsigned long long len = g.len - off < chunk ? g.len - off : chunk;
+        gx_copy((const char *)(g.src + (unsigned long long)p.src * g.src_stride + off),
+                (char *)(g.dst + (unsigned long long)p.dst * g.dst_stride + off), len);
     }
 }
