@@ -240,3 +240,66 @@ class Worker:
         if self.handle:
             h, self.handle = self.handle, 0
             _lib.call("gonixl_worker_close", h)
+
+
+def block_dim(shape: Sequence[int], num_blocks: int) -> int:
+    """The dimension of a KV-cache tensor that indexes blocks (the
+    library's rule: FlashAttention's [2, num_blocks, ...] first)."""
+    if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
+        return 1
+    for i, s in enumerate(shape):
+        if s == num_blocks:
+            return i
+    raise ValueError(f"no dimension of shape {list(shape)} equals num_blocks={num_blocks}")
+
+
+class HostStaging:
+    """kv_buffer_device "cpu" for KV caches in device memory, as vLLM's
+    NixlConnector does it: every layer gets a pinned host mirror with the
+    device tensor's shape and strides; the mirrors are what the engine
+    registers (as DRAM) and moves; a prefill copies a request's blocks to
+    its mirror before the blocks can be read (save_to_host, in the step
+    that computed them: vLLM's wait_for_save), a decode copies the blocks
+    it read to the device before reporting them received (load_to_device).
+    Both copies are synchronous, as vLLM's are."""
+
+    def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int):
+        import torch
+
+        self.device_caches = dict(kv_caches)
+        self.host_caches = {}
+        self.dims = {}
+        pin = torch.cuda.is_available()  # pinned memory needs a CUDA runtime
+        for name, t in kv_caches.items():
+            self.dims[name] = block_dim(t.shape, num_blocks)
+            self.host_caches[name] = torch.empty_strided(
+                tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu", pin_memory=pin
+            )
+
+    def _copy(self, src: Mapping[str, Any], dst: Mapping[str, Any], block_ids: Sequence[int]) -> None:
+        import torch
+
+        if not block_ids:
+            return
+        idx = {}
+        for name, s in src.items():
+            d, bd = dst[name], self.dims[name]
+            for t in (s, d):
+                if t.device not in idx:
+                    idx[t.device] = torch.tensor(list(block_ids), dtype=torch.long, device=t.device)
+            # To the device the copy may run ahead (stream-ordered before the
+            # index_copy_); to the host it must have landed before the
+            # host-side index_copy_ reads it.
+            moved = s.index_select(bd, idx[s.device]).to(d.device, non_blocking=d.device.type != "cpu")
+            d.index_copy_(bd, idx[d.device], moved)
+        for dev in idx:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+    def save_to_host(self, block_ids: Sequence[int]) -> None:
+        """Device -> host mirror, for the given blocks of every layer."""
+        self._copy(self.device_caches, self.host_caches, block_ids)
+
+    def load_to_device(self, block_ids: Sequence[int]) -> None:
+        """Host mirror -> device, for the given blocks of every layer."""
+        self._copy(self.host_caches, self.device_caches, block_ids)

@@ -113,10 +113,16 @@ class Side:
     """One instance: scheduler and worker handles over its KV caches."""
 
     def __init__(self, a, kv_role: str, engine_id: str, fill: bool, buffer_device: str):
-        from gonixl.engine import Scheduler, Worker, layer_descriptions
+        from gonixl.engine import HostStaging, Scheduler, Worker, layer_descriptions
 
         self.port = free_port()
         self.phys, views = alloc_caches(a, a.device, fill)
+        self.staging = None
+        if buffer_device == "cpu" and a.device != "cpu":
+            # Host staging: the engine registers and moves pinned host
+            # mirrors of the device caches.
+            self.staging = HostStaging(views, a.blocks)
+            views = self.staging.host_caches
         cfg = config(a, kv_role, engine_id, self.port, buffer_device)
         self.sched = Scheduler(cfg)
         self.work = Worker(cfg)
@@ -162,6 +168,8 @@ def prefill_main(a, conn, buffer_device: str) -> None:
                 p.sched.get_num_new_matched_tokens(params, ntok, 0)
                 p.sched.update_state_after_alloc(req, params, [], [0], 0)
                 p.step()
+                if p.staging is not None:
+                    p.staging.save_to_host(blocks)  # vLLM's wait_for_save, in the step that computed them
                 delay, out = p.sched.request_finished(req, params, [blocks], True, ntok)
                 p.step()
                 conn.send(("params", delay, out))
@@ -240,6 +248,9 @@ def run_rounds(a, d: Side, conn, label: str, results: dict) -> None:
         elapsed = time.perf_counter() - t0
         if req in d.failed:
             raise RuntimeError(f"{req}: READ failed; load errors {d.work.load_errors()[:8]}")
+        if d.staging is not None:
+            d.staging.load_to_device(local)  # before the blocks are reported received
+            elapsed = time.perf_counter() - t0
         d.sched.update_connector_output([req])
         d.step()
         # Check every block of every layer, K and V, against the pattern.
@@ -270,6 +281,7 @@ def run_rounds(a, d: Side, conn, label: str, results: dict) -> None:
         "bytes": nbytes,
         "first_contact_s": first,
         "read_s_median": med,
+        "staging": d.staging is not None,
         "read_s_all": times,
         "GBps_median": nbytes / med / 1e9,
         "start_load_kv_s_median": statistics.median(posts),

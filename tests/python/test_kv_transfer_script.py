@@ -41,3 +41,33 @@ def test_kv_transfer_script_skips_without_gpu():
         pytest.skip("a GPU is visible here: the skip path is for hosts without one")
     p = subprocess.run([sys.executable, SCRIPT, "--device", "cuda"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.startswith("SKIP: no CUDA device"), p.stdout + p.stderr
+
+
+def test_host_staging_copies_exactly_the_blocks():
+    """HostStaging's copies on CPU tensors (the index logic the GPU run
+    uses): the chosen blocks of every layer, K and V, both directions,
+    through permuted (HND) views; nothing else."""
+    import torch
+
+    from gonixl.engine import HostStaging
+
+    nb = 10
+    phys = [torch.randn(2, nb, 4, 16, 8) for _ in range(3)]
+    views = {f"l{i}": p.permute(0, 1, 3, 2, 4) for i, p in enumerate(phys)}
+    st = HostStaging(views, nb)
+    for name, h in st.host_caches.items():
+        assert h.shape == views[name].shape and h.stride() == views[name].stride()
+        h.zero_()
+    st.save_to_host([3, 7])
+    for name, v in views.items():
+        h = st.host_caches[name]
+        assert torch.equal(h[:, [3, 7]], v[:, [3, 7]])
+        assert torch.count_nonzero(h[:, [0, 1, 2, 4, 5, 6, 8, 9]]) == 0
+    before = {n: v.clone() for n, v in views.items()}
+    for h in st.host_caches.values():
+        h[:, 5].fill_(1.5)
+    st.load_to_device([5])
+    for name, v in views.items():
+        assert torch.all(v[:, 5] == 1.5)
+        others = [b for b in range(nb) if b != 5]
+        assert torch.equal(v[:, others], before[name][:, others])
