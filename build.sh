@@ -289,6 +289,22 @@ cmd_demo() {
   "$PY" tests/demo.py
 }
 
+## gpu-bundle: .gpu/ (git-ignored): what the GPU host lacks, to carry with libgonixl.so (tests/gpu/README.md)
+cmd_gpu_bundle() {
+  cmd_build
+  local dir="$ROOT/.gpu" deb tmp
+  mkdir -p "$dir/ucx"
+  tmp="$(mktemp -d)"
+  # Debian's UCX and its one hard dependency, unpacked (not installed):
+  # the GPU host's image has no libucp, and gonixl's ucx engine carries
+  # its notifications (the data moves by CUDA IPC).
+  (cd "$tmp" && apt-get download libucx0 libnuma1 >/dev/null 2>&1) || die "apt-get download libucx0 libnuma1 failed"
+  for deb in "$tmp"/*.deb; do dpkg -x "$deb" "$dir/ucx"; done
+  rm -rf "$tmp"
+  grep -qx '/.gpu/' "$ROOT/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >>"$ROOT/.git/info/exclude"
+  log "gpu-bundle: $(du -sh "$dir" | cut -f1) in .gpu; carry .gpu and pybridge/gonixl/libgonixl.so, run tests/gpu/run.sh"
+}
+
 ## help: this text
 cmd_help() {
   echo "usage: ./build.sh <subcommand>"
@@ -302,6 +318,7 @@ main() {
   case "$sub" in
     setup | build | check | test | demo | soak | fuzz | wheel | help) "cmd_$sub" "$@" ;;
     test-fast) cmd_test_fast "$@" ;;
+    gpu-bundle) cmd_gpu_bundle "$@" ;;
     *) cmd_help >&2; die "unknown subcommand: $sub" ;;
   esac
 }
