@@ -344,10 +344,12 @@ func (x extra) strings(key string, def []string) ([]string, error) {
 // against where register_kv_caches found the KV cache. vLLM's NixlConnector
 // (base_worker.py) with kv_buffer_device "cpu" on a GPU platform stages
 // every transfer through a host copy of the KV cache (use_host_buffer,
-// initialize_host_xfer_buffer); gonixl registers the KV cache itself and
-// has no such copy, so that is refused rather than silently transferring
-// device memory. On vLLM's CPU platform "cpu" is the only value vLLM
-// accepts and means no staging (use_host_buffer is false there).
+// initialize_host_xfer_buffer); gonixl's Python side does the same
+// (gonixl.engine.HostStaging) and registers the host mirrors, so the
+// library sees host memory. Device tensors registered with "cpu" mean a
+// caller that skipped the staging: refused rather than silently
+// transferring device memory. On vLLM's CPU platform "cpu" is the only
+// value vLLM accepts and means no staging (use_host_buffer is false there).
 //
 // enable_permute_local_kv only matters to vLLM when the remote engine's
 // kv_cache_layout differs from this one (a LBHNC remote read into a LBNHC
@@ -388,8 +390,8 @@ func checkKVBufferDevice(setting string, layout *KVLayout, layers []LayerTensor)
 		}
 	}
 	if setting == "cpu" {
-		return fmt.Errorf("kv_buffer_device is \"cpu\" with the KV cache on %s: that asks for host-buffer staging (vLLM's NixlConnector copies the KV cache through a CPU buffer around every transfer), "+
-			"which gonixl does not implement; set kv_buffer_device to %q (vLLM's default on this platform) so that gonixl transfers the device memory directly", dev, dev)
+		return fmt.Errorf("kv_buffer_device is \"cpu\" with the KV cache on %s: that asks for host-buffer staging, so the tensors to register are the pinned host mirrors "+
+			"(gonixl.engine.HostStaging; GoNixlConnector registers them itself), not the device caches; or set kv_buffer_device to %q so that the device memory moves directly", dev, dev)
 	}
 	if setting != dev {
 		return fmt.Errorf("kv_buffer_device is %q, but the KV cache is on %s: set kv_buffer_device to %q", setting, dev, dev)

@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 from vllm.logger import init_logger
 
 from . import _lib, errors
-from .engine import flatten_groups, layer_descriptions
+from .engine import HostStaging, flatten_groups, layer_descriptions
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -105,10 +105,32 @@ def _request_amx_tile_permission() -> None:
 
 
 class GoNixlConnectorMetadata(KVConnectorMetadata):
-    """One step's scheduler -> worker metadata: opaque bytes made by Go."""
+    """One step's scheduler -> worker metadata: opaque bytes made by Go,
+    and with host staging (kv_buffer_device "cpu" for device caches) the
+    blocks to copy: save, per request, the blocks this step computes for a
+    remote decode (device -> host, in wait_for_save); recv, per request,
+    the blocks a READ fills (host -> device once it is done)."""
 
-    def __init__(self, data: bytes):
+    def __init__(self, data: bytes, save: Optional[dict[str, list[int]]] = None, recv: Optional[dict[str, list[int]]] = None):
         self.data = data
+        self.save = save or {}
+        self.recv = recv or {}
+
+
+#: Test knob: host staging on vLLM's CPU platform, where vLLM never stages
+#: (its KV cache is host memory already); the copies are then CPU to CPU,
+#: which lets the CPU test suite check when they happen.
+ENV_STAGING_ON_CPU = "GONIXL_TEST_HOST_STAGING_ON_CPU"
+
+
+def _host_staging(vllm_config: VllmConfig) -> bool:
+    """vLLM's use_host_buffer: kv_buffer_device "cpu" on a device platform."""
+    from vllm.platforms import current_platform
+
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None or ktc.kv_buffer_device != "cpu":
+        return False
+    return current_platform.device_type != "cpu" or os.environ.get(ENV_STAGING_ON_CPU) == "1"
 
 
 class GoNixlHandshakeMetadata(KVConnectorHandshakeMetadata):
@@ -307,6 +329,13 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: int = 0
         self._worker: int = 0
         self._handshake: Optional[GoNixlHandshakeMetadata] = None
+        # Host staging (vLLM's use_host_buffer): the scheduler lists the
+        # blocks to copy, the worker copies through pinned host mirrors.
+        self._staging = _host_staging(vllm_config)
+        self._need_save: dict[str, "Request"] = {}
+        self._stage_recv: dict[str, list[int]] = {}
+        self._host: Optional[HostStaging] = None
+        self._recv_blocks: dict[str, list[int]] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _new("gonixl_scheduler_new", _config_json(vllm_config, "scheduler", kv_cache_config))
         elif role == KVConnectorRole.WORKER:
@@ -419,6 +448,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         counts: Any = [sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks]
         computed = cast("tuple[int, ...]", self.kv_cache_config.select_transfer_block_ids(counts))
         ids, n, lens, ng = flatten_groups(groups)
+        if self._staging:
+            if request.kv_transfer_params and request.kv_transfer_params.get("do_remote_decode"):
+                self._need_save[request.request_id] = request
+            elif groups:
+                self._stage_recv[request.request_id] = [b for g in groups for b in g]
         comp = (ctypes.c_int64 * len(computed))(*computed)
         mutated = ctypes.c_int32(0)
         rid = _s(request.request_id)
@@ -446,7 +480,24 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             request.kv_transfer_params["_remote_blocks_processed"] = True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return GoNixlConnectorMetadata(_lib.call_bytes("gonixl_scheduler_build_meta", self._sched))
+        data = _lib.call_bytes("gonixl_scheduler_build_meta", self._sched)
+        if not self._staging:
+            return GoNixlConnectorMetadata(data)
+        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+
+        # As vLLM's _build_save_meta: a prefill for a remote decode saves
+        # the blocks each step computes, until its prompt is done.
+        save: dict[str, list[int]] = {}
+        for req_id, new_groups, _ in yield_req_data(scheduler_output):
+            req = self._need_save.get(req_id)
+            if req is None or new_groups is None:
+                continue
+            save[req_id] = [b for g in new_groups for b in g]
+            scheduled = (scheduler_output.num_scheduled_tokens or {}).get(req_id, 0)
+            if req.num_computed_tokens + scheduled >= req.num_prompt_tokens:
+                del self._need_save[req_id]
+        recv, self._stage_recv = self._stage_recv, {}
+        return GoNixlConnectorMetadata(data, save=save, recv=recv)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         done = connector_output.finished_recving
@@ -460,6 +511,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, Optional[dict[str, Any]]]:
+        self._need_save.pop(request.request_id, None)
         pj = _params_json(request)
         if not pj:
             return False, None
@@ -528,6 +580,10 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # Every layer goes to the library with its KV-cache group and kind;
         # the library puts the regions in vLLM's NixlConnector order (model
         # layer order, shared tensors once) and skips layers without a spec.
+        if self._staging:
+            # The engine registers and moves pinned host mirrors.
+            self._host = HostStaging(kv_caches, self.kv_cache_config.num_blocks)
+            kv_caches = self._host.host_caches
         layers = layer_descriptions(kv_caches, _layer_specs(self.kv_cache_config))
         backends = get_current_attn_backends(self._vllm_config)
         init = {
@@ -547,6 +603,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, GoNixlConnectorMetadata)
+        if self._host is not None:
+            self._recv_blocks.update(meta.recv)
         _lib.call("gonixl_worker_start_load_kv", self._worker, meta.data, len(meta.data))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -556,10 +614,25 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def wait_for_save(self):
-        pass
+        if self._host is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, GoNixlConnectorMetadata)
+        blocks = [b for ids in meta.save.values() for b in ids]
+        if blocks:
+            # After this step's forward, before its outputs (and so the
+            # prefill's response) leave: no decode can read them earlier.
+            self._host.save_to_host(blocks)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         r = json.loads(_lib.call_bytes("gonixl_worker_get_finished", self._worker))
+        if self._host is not None:
+            for req in r["failed_recving"]:
+                self._recv_blocks.pop(req, None)
+            for req in r["finished_recving"]:
+                blocks = self._recv_blocks.pop(req, None)
+                if blocks:
+                    self._host.load_to_device(blocks)  # before vLLM computes from them
         return KVConnectorTransferResults(
             finished_sending=set(r["finished_sending"]),
             finished_recving=set(r["finished_recving"]),

@@ -415,6 +415,7 @@ def main() -> int:
     ap.add_argument("--also-read", type=int, nargs="*", default=[], help="further request sizes, same run")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds after the first")
     ap.add_argument("--staging", action="store_true", help="also kv_buffer_device cpu (host staging)")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the CUDA IPC and per-block copy baselines")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", help="write the results as JSON here")
     a = ap.parse_args()
@@ -429,7 +430,7 @@ def main() -> int:
     import gonixl
 
     results["gonixl"] = gonixl.library_version()
-    run(a, a.device, "direct", results, a.device == "cuda")
+    run(a, a.device, "direct", results, a.device == "cuda" and not a.no_baselines)
     if a.staging:
         run(a, "cpu", "staging", results, False)
     if a.out:

@@ -26,6 +26,7 @@ import pickle
 import socket
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
@@ -208,6 +209,9 @@ class Engine:
         self.held: dict[str, list[int]] = {}  # request id -> blocks held for a remote reader
         self.out = Outputs()
         self.finished_req_ids: set[str] = set()
+        # Requests the next step computes: (id, block ids, tokens), for
+        # SchedulerOutput.scheduled_new_reqs (host staging saves by them).
+        self.scheduling: list[tuple[str, list[int], int]] = []
         self.use_get_finished = False
         self.sched = None
         self.worker = None
@@ -305,6 +309,11 @@ class Engine:
         """One EngineCore step, connector calls only."""
         so = SchedulerOutput.make_empty()
         so.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        for rid, ids, n in self.scheduling:
+            # The fields of NewRequestData that connectors read.
+            so.scheduled_new_reqs.append(SimpleNamespace(req_id=rid, block_ids=(list(ids),)))  # type: ignore[arg-type]
+            so.num_scheduled_tokens[rid] = n
+        self.scheduling = []
         meta = self.sched.build_connector_meta(so)
         so.kv_connector_metadata = meta
         # SchedulerOutput is serialised to the worker process.
@@ -424,6 +433,7 @@ def prefill(p: Engine, req_id: str, num_tokens: int, seed: float) -> Prefilled:
     ids = [b.block_id for b in blocks]
     for b in ids:
         p.fill_block(b, seed)
+    p.scheduling.append((req_id, ids, num_tokens))
     p.step()  # the forward step: reqs_in_batch reaches the worker
     req.num_computed_tokens = num_tokens
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED

@@ -966,3 +966,45 @@ def test_prefill_restart_with_the_same_engine_id(connector_cls, dist_env):
     finally:
         for e in engines:
             e.shutdown()
+
+
+def test_host_staging_moves_the_blocks_through_host_mirrors(connector_cls, dist_env, monkeypatch):
+    """kv_buffer_device "cpu" for a KV cache in device memory (vLLM's
+    use_host_buffer), run on CPU tensors through the test knob: each side
+    registers pinned-host mirrors, the prefill copies the blocks its forward
+    step computed into its mirror in wait_for_save, the decode's READ fills
+    its mirror, and its blocks reach the "device" caches before
+    finished_recving. A save or load at the wrong time reads the mirror's
+    zeros and fails the byte comparison."""
+    monkeypatch.setenv(gonixl.vllm.ENV_STAGING_ON_CPU, "1")
+    engines = []
+    try:
+        p = h.Engine(connector_cls, "kv_producer", "engine-prefill-stage", P_BLOCKS)
+        engines.append(p)
+        d = h.Engine(connector_cls, "kv_consumer", "engine-decode-stage", D_BLOCKS)
+        engines.append(d)
+        for e in (p, d):
+            host = e.worker._host
+            assert host is not None, "staging did not turn on"
+            for name, t in e.kv_caches.items():
+                assert host.host_caches[name].data_ptr() != t.data_ptr()
+                host.host_caches[name].zero_()
+        p.fill_all(-7.0)
+        d.fill_all(-3.0)
+        pre, dr, before = transfer(p, d, "stage", 3 * h.BLOCK_SIZE + 5)
+        # Saved in the forward step: exactly the request's blocks.
+        for name, t in p.kv_caches.items():
+            mirror = p.worker._host.host_caches[name]
+            dim = p.worker._host.dims[name]
+            idx = torch.tensor(pre.block_ids)
+            assert torch.equal(mirror.index_select(dim, idx), t.index_select(dim, idx)), name
+            others = torch.tensor([b for b in range(p.num_blocks) if b not in pre.block_ids])
+            assert torch.count_nonzero(mirror.index_select(dim, others)) == 0, f"{name}: saved blocks outside the request"
+        wait_transfer_done(p, d, pre, dr)
+        assert dr.req.request_id not in d.out.failed
+        assert_blocks_copied(p, d, pre.block_ids, dr.new_blocks, before)
+        assert not d.worker._recv_blocks, "blocks to load left behind after the request finished"
+        finish_decode(d, dr)
+    finally:
+        for e in engines:
+            e.shutdown()
