@@ -63,13 +63,14 @@ static struct {
     CUresult (*mem_alloc)(CUdeviceptr *, size_t);
     CUresult (*mem_free)(CUdeviceptr);
     CUresult (*memcpy_htod)(CUdeviceptr, const void *, size_t);
-    CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                              unsigned, CUstream, void **, void **);
+    CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              unsigned, unsigned, CUstream, void **, void **);
 } C = {.once = PTHREAD_ONCE_INIT};
 
 static const char *load_path;
 
-static void load_once(void) {
+static void load_once(void)
+{
     const char *p = load_path && *load_path ? load_path : "libcuda.so.1";
     C.h = dlopen(p, RTLD_NOW | RTLD_LOCAL);
     if (!C.h) {
@@ -123,7 +124,8 @@ static void load_once(void) {
     }
 }
 
-int gx_cuda_load(const char *path, char *err, size_t errlen) {
+int gx_cuda_load(const char *path, char *err, size_t errlen)
+{
     load_path = path;
     pthread_once(&C.once, load_once);
     if (C.rc != 0 && err && errlen)
@@ -131,7 +133,8 @@ int gx_cuda_load(const char *path, char *err, size_t errlen) {
     return C.rc;
 }
 
-void gx_cuda_strerror(int rc, char *buf, size_t len) {
+void gx_cuda_strerror(int rc, char *buf, size_t len)
+{
     const char *name = NULL, *desc = NULL;
     switch (rc) {
     case GX_CUDA_ERR_UNLOADED:
@@ -148,7 +151,8 @@ void gx_cuda_strerror(int rc, char *buf, size_t len) {
     snprintf(buf, len, "%s (%d): %s", name ? name : "CUresult", rc, desc ? desc : "unknown error");
 }
 
-int gx_cuda_driver_version(int *v) {
+int gx_cuda_driver_version(int *v)
+{
     if (C.rc != 0 || !C.h)
         return GX_CUDA_ERR_UNLOADED;
     return C.driver_get_version(v);
@@ -163,7 +167,8 @@ int gx_cuda_driver_version(int *v) {
         }                                                                                          \
     } while (0)
 
-int gx_cuda_dev_open(int ordinal, const char *ptx, gx_cuda_dev *d, char *err, size_t errlen) {
+int gx_cuda_dev_open(int ordinal, const char *ptx, gx_cuda_dev *d, char *err, size_t errlen)
+{
     int rc = 0;
     const char *what = "";
     CUcontext ctx = NULL, popped;
@@ -208,7 +213,8 @@ fail : {
     return rc;
 }
 
-void gx_cuda_dev_close(gx_cuda_dev *d) {
+void gx_cuda_dev_close(gx_cuda_dev *d)
+{
     CUcontext popped;
     if (!d->ctx)
         return;
@@ -224,7 +230,8 @@ void gx_cuda_dev_close(gx_cuda_dev *d) {
 }
 
 int gx_cuda_export(gx_cuda_dev *d, uint64_t ptr, uint64_t len, uint64_t *base, uint64_t *size,
-                   uint8_t *handle, char *err, size_t errlen) {
+                   uint8_t *handle, char *err, size_t errlen)
+{
     int rc = 0, mt = 0, ord = -1;
     const char *what = "";
     CUcontext popped;
@@ -238,13 +245,15 @@ int gx_cuda_export(gx_cuda_dev *d, uint64_t ptr, uint64_t len, uint64_t *base, u
     CK(C.pointer_get_attribute(&mt, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr));
     if (mt != CU_MEMORYTYPE_DEVICE) {
         C.ctx_pop(&popped);
-        snprintf(err, errlen, "%#llx is not device memory (CUDA memory type %d)", (unsigned long long)ptr, mt);
+        snprintf(err, errlen, "%#llx is not device memory (CUDA memory type %d)",
+                 (unsigned long long)ptr, mt);
         return 1; /* CUDA_ERROR_INVALID_VALUE */
     }
     CK(C.pointer_get_attribute(&ord, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr));
     if (ord != d->ordinal) {
         C.ctx_pop(&popped);
-        snprintf(err, errlen, "%#llx is on device %d, registered as device %d", (unsigned long long)ptr, ord, d->ordinal);
+        snprintf(err, errlen, "%#llx is on device %d, registered as device %d",
+                 (unsigned long long)ptr, ord, d->ordinal);
         return 101; /* CUDA_ERROR_INVALID_DEVICE */
     }
     CK(C.mem_get_address_range(&b, &sz, ptr));
@@ -269,7 +278,8 @@ fail : {
     return rc;
 }
 
-int gx_cuda_ipc_open(gx_cuda_dev *d, const uint8_t *handle, uint64_t *mapped) {
+int gx_cuda_ipc_open(gx_cuda_dev *d, const uint8_t *handle, uint64_t *mapped)
+{
     CUcontext popped;
     CUipcMemHandle h;
     CUdeviceptr p = 0;
@@ -283,7 +293,8 @@ int gx_cuda_ipc_open(gx_cuda_dev *d, const uint8_t *handle, uint64_t *mapped) {
     return rc;
 }
 
-int gx_cuda_ipc_close(gx_cuda_dev *d, uint64_t mapped) {
+int gx_cuda_ipc_close(gx_cuda_dev *d, uint64_t mapped)
+{
     CUcontext popped;
     int rc = C.ctx_push(d->ctx);
     if (rc != 0)
@@ -293,7 +304,8 @@ int gx_cuda_ipc_close(gx_cuda_dev *d, uint64_t mapped) {
     return rc;
 }
 
-int gx_cuda_alloc(gx_cuda_dev *d, size_t bytes, uint64_t *out) {
+int gx_cuda_alloc(gx_cuda_dev *d, size_t bytes, uint64_t *out)
+{
     CUcontext popped;
     CUdeviceptr p = 0;
     int rc = C.ctx_push(d->ctx);
@@ -305,7 +317,8 @@ int gx_cuda_alloc(gx_cuda_dev *d, size_t bytes, uint64_t *out) {
     return rc;
 }
 
-int gx_cuda_free(gx_cuda_dev *d, uint64_t p) {
+int gx_cuda_free(gx_cuda_dev *d, uint64_t p)
+{
     CUcontext popped;
     int rc = C.ctx_push(d->ctx);
     if (rc != 0)
@@ -315,8 +328,9 @@ int gx_cuda_free(gx_cuda_dev *d, uint64_t p) {
     return rc;
 }
 
-int gx_cuda_gather_blocks(gx_cuda_dev *d, uint64_t dbuf, const void *host, size_t bytes, size_t nregs,
-                          size_t npairs, uint64_t chunk, uint64_t nchunks, int upload) {
+int gx_cuda_gather_blocks(gx_cuda_dev *d, uint64_t dbuf, const void *host, size_t bytes,
+                          size_t nregs, size_t npairs, uint64_t chunk, uint64_t nchunks, int upload)
+{
     CUcontext popped;
     CUdeviceptr regs = dbuf, pairs = dbuf + nregs * 40;
     unsigned long long nr = nregs, np = npairs, ch = chunk, nc = nchunks;
@@ -331,15 +345,16 @@ int gx_cuda_gather_blocks(gx_cuda_dev *d, uint64_t dbuf, const void *host, size_
     if (upload)
         rc = C.memcpy_htod(dbuf, host, bytes);
     if (rc == 0)
-        rc = C.launch_kernel(d->fnb, (unsigned)(items < cap ? items : cap), 1, 1, 256, 1, 1, 0, d->stream, args,
-                             NULL);
+        rc = C.launch_kernel(d->fnb, (unsigned)(items < cap ? items : cap), 1, 1, 256, 1, 1, 0,
+                             d->stream, args, NULL);
     if (rc == 0)
         rc = C.stream_synchronize(d->stream);
     C.ctx_pop(&popped);
     return rc;
 }
 
-int gx_cuda_gather(gx_cuda_dev *d, uint64_t dops, const gx_cop *ops, size_t n, int upload) {
+int gx_cuda_gather(gx_cuda_dev *d, uint64_t dops, const gx_cop *ops, size_t n, int upload)
+{
     CUcontext popped;
     unsigned long long nn = n;
     CUdeviceptr p = dops;

@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #define GX_CUDA_IPC_HANDLE 64
-#define GX_CUDA_UUID 16
+#define GX_CUDA_UUID       16
 
 /* Errors (besides the driver's own CUresult codes, which are positive). */
 enum { GX_CUDA_ERR_UNLOADED = -1, GX_CUDA_ERR_NOMEM = -2 };
@@ -61,8 +61,9 @@ typedef struct gx_cop {
  * followed by npairs block pairs (src, dst: two uint32 each); every block
  * pair of every region is copied in pieces of chunk bytes (nchunks per
  * block, enough for the longest region's blocks). */
-int gx_cuda_gather_blocks(gx_cuda_dev *d, uint64_t dbuf, const void *host, size_t bytes, size_t nregs,
-                          size_t npairs, uint64_t chunk, uint64_t nchunks, int upload);
+int gx_cuda_gather_blocks(gx_cuda_dev *d, uint64_t dbuf, const void *host, size_t bytes,
+                          size_t nregs, size_t npairs, uint64_t chunk, uint64_t nchunks,
+                          int upload);
 
 /* Device buffer for a transfer's operations. */
 int gx_cuda_alloc(gx_cuda_dev *d, size_t bytes, uint64_t *out);
