@@ -97,7 +97,7 @@ cmd_check() {
     die "gofmt would change: $(echo "$unformatted" | sed "s|^$ROOT/||" | tr '\n' ' ')"
   fi
   log "clang-format --dry-run (the C files, .clang-format)"
-  clang-format --dry-run -Werror nixl/ucx/gxucx.c nixl/ucx/gxshm.c nixl/ucx/gxucx.h \
+  clang-format --dry-run -Werror nixl/ucx/gxucx.c nixl/ucx/gxshm.c nixl/ucx/gxucx.h nixl/ucx/gxcuda.c nixl/ucx/gxcuda.h \
     nixl/libnixl/gxnixl.c nixl/libnixl/gxnixl.h || die "clang-format would change the C files: run clang-format -i on them"
   log "go vet ./..."
   go vet ./...

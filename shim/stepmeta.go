@@ -1,6 +1,7 @@
 package shim
 
 import (
+	"encoding/binary"
 	"fmt"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -56,7 +57,7 @@ type StepMeta struct {
 
 // stepMetaVersion guards against a scheduler and worker from different
 // builds exchanging metadata.
-const stepMetaVersion = 1
+const stepMetaVersion = 2 // 2: block ids as bin blobs (BlockIDs.EncodeMsgpack)
 
 type stepEnvelope struct {
 	Version int       `msgpack:"v"`
@@ -102,4 +103,56 @@ func (m *StepMeta) dropNil() {
 			delete(m.Heartbeats, eng)
 		}
 	}
+}
+
+// EncodeMsgpack writes block ids in the step metadata as one bin blob per
+// group (little-endian int64s): a 65,536-block request decodes in tens of
+// microseconds instead of the ~12 ms msgpack's generic arrays of integers
+// take, and the decode runs on vLLM's model thread (start_load_kv).
+func (b BlockIDs) EncodeMsgpack(enc *msgpack.Encoder) error {
+	if b == nil {
+		return enc.EncodeNil()
+	}
+	if err := enc.EncodeArrayLen(len(b)); err != nil {
+		return err
+	}
+	for _, g := range b {
+		buf := make([]byte, 8*len(g))
+		for i, v := range g {
+			binary.LittleEndian.PutUint64(buf[8*i:], uint64(v))
+		}
+		if err := enc.EncodeBytes(buf); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// DecodeMsgpack reads EncodeMsgpack's form.
+func (b *BlockIDs) DecodeMsgpack(dec *msgpack.Decoder) error {
+	n, err := dec.DecodeArrayLen()
+	if err != nil {
+		return err
+	}
+	if n < 0 {
+		*b = nil
+		return nil
+	}
+	out := make(BlockIDs, 0, n)
+	for i := 0; i < n; i++ {
+		buf, err := dec.DecodeBytes()
+		if err != nil {
+			return err
+		}
+		if len(buf)%8 != 0 {
+			return fmt.Errorf("block ids: group %d has %d bytes, not a multiple of 8", i, len(buf))
+		}
+		g := make([]int64, len(buf)/8)
+		for k := range g {
+			g[k] = int64(binary.LittleEndian.Uint64(buf[8*k:]))
+		}
+		out = append(out, g)
+	}
+	*b = out
+	return nil
 }

@@ -1355,7 +1355,6 @@ func (a *agent) Close() error {
 	for x := range a.xfers {
 		C.gx_xfer_free(a.c, x.c)
 		x.c = nil
-		x.freeCuda()
 	}
 	a.xfers = nil
 	a.finishRetiringLocked()

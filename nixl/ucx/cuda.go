@@ -339,61 +339,25 @@ func (a *agent) cudaBlocks(xop nixl.XferOp, p *peer, spans []blockSpan, lb, rb [
 	return d, g, nil
 }
 
-// cudaCopy returns the copy function of a VRAM transfer: the first run
-// uploads its operations to the device, every run launches the gather and
-// waits for it.
+// cudaCopy returns the copy function of a VRAM transfer: one upload of its
+// operation table and one launch of the gather kernel, waited for.
 func (x *xfer) cudaCopy() func() C.int {
 	if g := x.cblocks; g != nil {
 		return func() C.int {
-			bytes := C.size_t(len(g.buf) * 8)
-			if x.dops == 0 {
-				var p C.uint64_t
-				if rc := C.gx_cuda_alloc(x.cdev, bytes, &p); rc != 0 {
-					x.cudaErr = "cuMemAlloc of the block table: " + cudaError(rc)
-					return gxErrCUDA
-				}
-				x.dops, x.uploaded = uint64(p), false
-			}
-			upload := C.int(0)
-			if !x.uploaded {
-				upload = 1
-			}
-			if rc := C.gx_cuda_gather_blocks(x.cdev, C.uint64_t(x.dops), unsafe.Pointer(&g.buf[0]), bytes,
-				C.size_t(g.nregs), C.size_t(g.npairs), C.uint64_t(g.chunk), C.uint64_t(g.nchunks), upload); rc != 0 {
+			if rc := C.gx_cuda_gather_blocks(x.cdev, unsafe.Pointer(&g.buf[0]), C.size_t(len(g.buf)*8),
+				C.size_t(g.nregs), C.size_t(g.npairs), C.uint64_t(g.chunk), C.uint64_t(g.nchunks)); rc != 0 {
 				x.cudaErr = "gather kernel: " + cudaError(rc)
 				return gxErrCUDA
 			}
-			x.uploaded = true
 			return 0
 		}
 	}
 	return func() C.int {
-		if x.dops == 0 {
-			var p C.uint64_t
-			if rc := C.gx_cuda_alloc(x.cdev, C.size_t(len(x.cops))*C.size_t(unsafe.Sizeof(C.gx_cop{})), &p); rc != 0 {
-				x.cudaErr = "cuMemAlloc of the operation list: " + cudaError(rc)
-				return gxErrCUDA
-			}
-			x.dops, x.uploaded = uint64(p), false
-		}
-		upload := C.int(0)
-		if !x.uploaded {
-			upload = 1
-		}
-		if rc := C.gx_cuda_gather(x.cdev, C.uint64_t(x.dops), (*C.gx_cop)(unsafe.Pointer(&x.cops[0])), C.size_t(len(x.cops)), upload); rc != 0 {
+		if rc := C.gx_cuda_gather(x.cdev, (*C.gx_cop)(unsafe.Pointer(&x.cops[0])), C.size_t(len(x.cops))); rc != 0 {
 			x.cudaErr = "gather kernel: " + cudaError(rc)
 			return gxErrCUDA
 		}
-		x.uploaded = true
 		return 0
-	}
-}
-
-// freeCuda releases a VRAM transfer's device buffer (no copy running).
-func (x *xfer) freeCuda() {
-	if x.dops != 0 {
-		C.gx_cuda_free(x.cdev, C.uint64_t(x.dops))
-		x.dops = 0
 	}
 }
 

@@ -195,6 +195,7 @@ int gx_cuda_dev_open(int ordinal, const char *ptx, gx_cuda_dev *d, char *err, si
     CK(C.module_get_function((CUfunction *)&d->fn, d->module, "gx_gather"));
     CK(C.module_get_function((CUfunction *)&d->fnb, d->module, "gx_gather_blocks"));
     C.ctx_pop(&popped);
+    pthread_mutex_init(&d->mu, NULL);
     return 0;
 fail : {
     char m[256];
@@ -219,6 +220,8 @@ void gx_cuda_dev_close(gx_cuda_dev *d)
     if (!d->ctx)
         return;
     if (C.ctx_push(d->ctx) == 0) {
+        if (d->scratch)
+            C.mem_free(d->scratch);
         if (d->module)
             C.module_unload(d->module);
         if (d->stream)
@@ -226,6 +229,7 @@ void gx_cuda_dev_close(gx_cuda_dev *d)
         C.ctx_pop(&popped);
     }
     C.primary_ctx_release((CUdevice)(intptr_t)d->dev);
+    pthread_mutex_destroy(&d->mu);
     memset(d, 0, sizeof *d);
 }
 
@@ -304,78 +308,78 @@ int gx_cuda_ipc_close(gx_cuda_dev *d, uint64_t mapped)
     return rc;
 }
 
-int gx_cuda_alloc(gx_cuda_dev *d, size_t bytes, uint64_t *out)
+/* upload copies bytes of host into d's scratch buffer (growing it), with
+ * d->mu held and d's context current. */
+static int upload(gx_cuda_dev *d, const void *host, size_t bytes)
 {
-    CUcontext popped;
-    CUdeviceptr p = 0;
-    int rc = C.ctx_push(d->ctx);
-    if (rc != 0)
-        return rc;
-    rc = C.mem_alloc(&p, bytes);
-    C.ctx_pop(&popped);
-    *out = p;
-    return rc;
-}
-
-int gx_cuda_free(gx_cuda_dev *d, uint64_t p)
-{
-    CUcontext popped;
-    int rc = C.ctx_push(d->ctx);
-    if (rc != 0)
-        return rc;
-    rc = C.mem_free(p);
-    C.ctx_pop(&popped);
-    return rc;
-}
-
-int gx_cuda_gather_blocks(gx_cuda_dev *d, uint64_t dbuf, const void *host, size_t bytes,
-                          size_t nregs, size_t npairs, uint64_t chunk, uint64_t nchunks, int upload)
-{
-    CUcontext popped;
-    CUdeviceptr regs = dbuf, pairs = dbuf + nregs * 40;
-    unsigned long long nr = nregs, np = npairs, ch = chunk, nc = nchunks;
-    void *args[6] = {&regs, &nr, &pairs, &np, &ch, &nc};
-    unsigned long long items = nr * np * nc, cap = (unsigned long long)d->sms * 16;
     int rc;
-    if (items == 0)
-        return 0;
-    rc = C.ctx_push(d->ctx);
-    if (rc != 0)
-        return rc;
-    if (upload)
-        rc = C.memcpy_htod(dbuf, host, bytes);
-    if (rc == 0)
-        rc = C.launch_kernel(d->fnb, (unsigned)(items < cap ? items : cap), 1, 1, 256, 1, 1, 0,
+    if (bytes > d->scratch_len) {
+        size_t want = bytes < (1u << 20) ? (1u << 20) : bytes + bytes / 4;
+        CUdeviceptr p = 0;
+        rc = C.mem_alloc(&p, want);
+        if (rc != 0)
+            return rc;
+        if (d->scratch)
+            C.mem_free(d->scratch);
+        d->scratch = p;
+        d->scratch_len = want;
+    }
+    return C.memcpy_htod(d->scratch, host, bytes);
+}
+
+/* launch runs fn over items with args on d's stream and waits for it. */
+static int launch(gx_cuda_dev *d, void *fn, unsigned long long items, void **args)
+{
+    unsigned long long cap = (unsigned long long)d->sms * 16;
+    int rc = C.launch_kernel(fn, (unsigned)(items < cap ? items : cap), 1, 1, 256, 1, 1, 0,
                              d->stream, args, NULL);
     if (rc == 0)
         rc = C.stream_synchronize(d->stream);
-    C.ctx_pop(&popped);
     return rc;
 }
 
-int gx_cuda_gather(gx_cuda_dev *d, uint64_t dops, const gx_cop *ops, size_t n, int upload)
+int gx_cuda_gather_blocks(gx_cuda_dev *d, const void *host, size_t bytes, size_t nregs,
+                          size_t npairs, uint64_t chunk, uint64_t nchunks)
+{
+    CUcontext popped;
+    unsigned long long nr = nregs, np = npairs, ch = chunk, nc = nchunks;
+    CUdeviceptr regs = 0, pairs = 0;
+    void *args[6] = {&regs, &nr, &pairs, &np, &ch, &nc};
+    int rc;
+    if (nr * np * nc == 0)
+        return 0;
+    pthread_mutex_lock(&d->mu);
+    rc = C.ctx_push(d->ctx);
+    if (rc == 0) {
+        rc = upload(d, host, bytes);
+        regs = d->scratch;
+        pairs = d->scratch + nregs * 40;
+        if (rc == 0)
+            rc = launch(d, d->fnb, nr * np * nc, args);
+        C.ctx_pop(&popped);
+    }
+    pthread_mutex_unlock(&d->mu);
+    return rc;
+}
+
+int gx_cuda_gather(gx_cuda_dev *d, const gx_cop *ops, size_t n)
 {
     CUcontext popped;
     unsigned long long nn = n;
-    CUdeviceptr p = dops;
+    CUdeviceptr p = 0;
     void *args[2] = {&p, &nn};
-    unsigned grid;
     int rc;
     if (n == 0)
         return 0;
+    pthread_mutex_lock(&d->mu);
     rc = C.ctx_push(d->ctx);
-    if (rc != 0)
-        return rc;
-    if (upload)
-        rc = C.memcpy_htod(dops, ops, n * sizeof *ops);
     if (rc == 0) {
-        /* Enough blocks to fill every multiprocessor several times over;
-         * each block loops over the operations. */
-        grid = (unsigned)(n < (size_t)d->sms * 16 ? n : (size_t)d->sms * 16);
-        rc = C.launch_kernel(d->fn, grid, 1, 1, 256, 1, 1, 0, d->stream, args, NULL);
+        rc = upload(d, ops, n * sizeof *ops);
+        p = d->scratch;
+        if (rc == 0)
+            rc = launch(d, d->fn, nn, args);
+        C.ctx_pop(&popped);
     }
-    if (rc == 0)
-        rc = C.stream_synchronize(d->stream);
-    C.ctx_pop(&popped);
+    pthread_mutex_unlock(&d->mu);
     return rc;
 }

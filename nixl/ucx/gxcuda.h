@@ -6,6 +6,7 @@
 #ifndef GXCUDA_H
 #define GXCUDA_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -33,6 +34,12 @@ typedef struct gx_cuda_dev {
     void *module; /* CUmodule */
     void *fn;     /* CUfunction gx_gather */
     void *fnb;    /* CUfunction gx_gather_blocks */
+    /* The operation tables of one launch at a time: a device buffer grown
+     * as needed and kept (no allocation or free per transfer: cuMemFree
+     * synchronises the whole device, vLLM's streams included). */
+    pthread_mutex_t mu;
+    uint64_t scratch;
+    size_t scratch_len;
     uint8_t uuid[GX_CUDA_UUID];
 } gx_cuda_dev;
 
@@ -61,17 +68,12 @@ typedef struct gx_cop {
  * followed by npairs block pairs (src, dst: two uint32 each); every block
  * pair of every region is copied in pieces of chunk bytes (nchunks per
  * block, enough for the longest region's blocks). */
-int gx_cuda_gather_blocks(gx_cuda_dev *d, uint64_t dbuf, const void *host, size_t bytes,
-                          size_t nregs, size_t npairs, uint64_t chunk, uint64_t nchunks,
-                          int upload);
+int gx_cuda_gather_blocks(gx_cuda_dev *d, const void *host, size_t bytes, size_t nregs,
+                          size_t npairs, uint64_t chunk, uint64_t nchunks);
 
-/* Device buffer for a transfer's operations. */
-int gx_cuda_alloc(gx_cuda_dev *d, size_t bytes, uint64_t *out);
-int gx_cuda_free(gx_cuda_dev *d, uint64_t p);
-
-/* Uploads n operations into dops (a buffer of gx_cuda_alloc, n*24 bytes at
- * least) unless upload is 0, launches the gather kernel over them on d's
- * stream and waits for it. */
-int gx_cuda_gather(gx_cuda_dev *d, uint64_t dops, const gx_cop *ops, size_t n, int upload);
+/* Uploads n operations to d's scratch buffer, launches the gather kernel
+ * over them on d's stream and waits for it. One launch per device at a
+ * time. */
+int gx_cuda_gather(gx_cuda_dev *d, const gx_cop *ops, size_t n);
 
 #endif

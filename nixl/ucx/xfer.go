@@ -29,16 +29,14 @@ type xfer struct {
 	// parts, and the peer control pages they depend on (nil otherwise).
 	shmOps, cmaOps []op
 	ctls           []unsafe.Pointer
-	// VRAM (cuda.go): the gather operations, the device that runs them,
-	// their copy on the device once uploaded, and a failed gather's message.
-	cdev     *C.gx_cuda_dev
-	cops     []cop
-	cblocks  *gatherBlocks
-	dops     uint64
-	uploaded bool
-	cudaErr  string
-	bytes    uint64
-	descs    int // descriptor pairs before coalescing
+	// VRAM (cuda.go): the gather operations (one list, or regions ×
+	// blocks), the device that runs them, and a failed gather's message.
+	cdev    *C.gx_cuda_dev
+	cops    []cop
+	cblocks *gatherBlocks
+	cudaErr string
+	bytes   uint64
+	descs   int // descriptor pairs before coalescing
 
 	c        *C.gx_xfer
 	posted   bool
@@ -321,7 +319,6 @@ func (x *xfer) Release() error {
 			"the transfer's operations are still in flight and cannot be cancelled; release it after they complete or after InvalidateRemote of its peer")
 	}
 	x.released = true
-	x.freeCuda()
 	if x.c != nil { // nil once the agent closed
 		C.gx_xfer_free(a.c, x.c)
 		x.c = nil
