@@ -12,6 +12,15 @@
 // tests/tools/gen_gather_ptx.py (NVRTC; no GPU needed) and embedded in the
 // library; the driver compiles the PTX for the device it runs on.
 
+// GX_UNROLL: 16-byte loads each thread has in flight before it stores.
+#ifndef GX_UNROLL
+#define GX_UNROLL 4
+#endif
+// GX_THREADS: the most threads a block is launched with (gxcuda.c: 256).
+#ifndef GX_THREADS
+#define GX_THREADS 256
+#endif
+
 // gx_copy: the threads of one block copy len bytes from s to d together.
 __device__ __forceinline__ void gx_copy(const char *s, char *d, unsigned long long len) {
     const unsigned long long t = threadIdx.x, nt = blockDim.x;
@@ -20,12 +29,14 @@ __device__ __forceinline__ void gx_copy(const char *s, char *d, unsigned long lo
         uint4 *d4 = (uint4 *)d;
         const unsigned long long nv = len >> 4;
         unsigned long long j = t;
-        for (; j + 3 * nt < nv; j += 4 * nt) {
-            const uint4 a = s4[j], b = s4[j + nt], c = s4[j + 2 * nt], e = s4[j + 3 * nt];
-            d4[j] = a;
-            d4[j + nt] = b;
-            d4[j + 2 * nt] = c;
-            d4[j + 3 * nt] = e;
+        for (; j + (GX_UNROLL - 1) * nt < nv; j += GX_UNROLL * nt) {
+            uint4 r[GX_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GX_UNROLL; u++)
+                r[u] = s4[j + u * nt];
+#pragma unroll
+            for (int u = 0; u < GX_UNROLL; u++)
+                d4[j + u * nt] = r[u];
         }
         for (; j < nv; j += nt)
             d4[j] = s4[j];
@@ -41,7 +52,7 @@ struct gx_cop {
     unsigned long long src, dst, len;
 };
 
-extern "C" __global__ void __launch_bounds__(256) gx_gather(const gx_cop *ops, unsigned long long n) {
+extern "C" __global__ void __launch_bounds__(GX_THREADS) gx_gather(const gx_cop *ops, unsigned long long n) {
     for (unsigned long long i = blockIdx.x; i < n; i += gridDim.x) {
         const gx_cop o = ops[i];
         gx_copy((const char *)o.src, (char *)o.dst, o.len);
@@ -61,7 +72,7 @@ struct gx_cpair {
     unsigned int src, dst;
 };
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(GX_THREADS)
     gx_gather_blocks(const gx_creg *regs, unsigned long long nregs, const gx_cpair *pairs, unsigned long long npairs,
                      unsigned long long chunk, unsigned long long nchunks) {
     const unsigned long long per_region = npairs * nchunks, items = nregs * per_region;
