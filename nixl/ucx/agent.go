@@ -1188,15 +1188,16 @@ func (a *agent) MakeXferBlocks(xop nixl.XferOp, local, remote nixl.DescList, reg
 		}
 		return a.finishXferLocked(fn, x, notif)
 	}
-	ops := make([]op, 0, n)
-	for _, s := range spans {
-		for k := range localBlocks {
-			ops = append(ops, op{laddr: s.laddr + uint64(localBlocks[k])*s.lstride, raddr: s.raddr + uint64(remoteBlocks[k])*s.rstride,
-				len: s.len, rkey: s.rkey, memh: s.memh})
-		}
+	x.lazy = &lazyOps{spans: spans, lb: localBlocks, rb: remoteBlocks}
+	if !a.set.path.sharesMemory() {
+		// The operations are built where they are first needed: on the
+		// copy goroutine for a same-host peer (data path cma), so that
+		// vLLM's model thread, which makes the transfer, does not spend
+		// O(descriptors) on it; in Post for UCP.
+		return a.finishXferLocked(fn, x, notif)
 	}
-	x.ops = coalesce(ops)
-	if a.set.path.sharesMemory() && rl.peer.shm != nil {
+	x.materialize()
+	if rl.peer.shm != nil {
 		x.shmOps, x.cmaOps, x.ctls = splitShm(x.ops, rl.peer.shm)
 	}
 	return a.finishXferLocked(fn, x, notif)

@@ -246,18 +246,23 @@ func TestMakeXferBlocksMatchesIndexArrays(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		if xb.(*xfer).lazy == nil {
+			t.Fatal("a regions × blocks DRAM transfer built its operations at once (data path cma builds them on the copy goroutine)")
+		}
+		xb.(*xfer).Ops() // builds them
 		if !slices.Equal(xb.(*xfer).ops, xi.(*xfer).ops) || xb.(*xfer).bytes != xi.(*xfer).bytes || xb.(*xfer).descs != xi.(*xfer).descs {
 			t.Fatalf("trial %d: MakeXferBlocks differs from MakeXfer", trial)
 		}
 		_, _ = xb.Release(), xi.Release()
 	}
-	// Blocks of region 0 past its run reach into region 1: not a run of
-	// one region, so the expansion decides (the same descriptors), and a
-	// block past the list is MakeXfer's range error.
+	// A block id past region 0's run names a descriptor of region 1: the
+	// same descriptor the index arrays would name, and a block past the
+	// list is MakeXfer's range error.
 	x, err := nixl.MakeXferBlocks(p.a, nixl.Read, ls, rs, regions[:1], []int32{nblk + 3}, []int32{2}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
+	x.(*xfer).Ops()
 	want := op{laddr: addrOf(p.bufA) + (nblk+3)*blk, raddr: addrOf(p.bufB) + 2*blk, len: blk / 2, memh: x.(*xfer).ops[0].memh, rkey: x.(*xfer).ops[0].rkey}
 	if len(x.(*xfer).ops) != 1 || x.(*xfer).ops[0] != want {
 		t.Fatalf("spanning runs: ops %+v, want %+v", x.(*xfer).ops, want)

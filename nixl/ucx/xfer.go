@@ -35,8 +35,11 @@ type xfer struct {
 	cops    []cop
 	cblocks *gatherBlocks
 	cudaErr string
-	bytes   uint64
-	descs   int // descriptor pairs before coalescing
+	// A regions × blocks DRAM transfer whose operations are not built yet
+	// (materialize); nil once they are.
+	lazy  *lazyOps
+	bytes uint64
+	descs int // descriptor pairs before coalescing
 
 	c        *C.gx_xfer
 	posted   bool
@@ -51,7 +54,40 @@ type xfer struct {
 
 // Ops reports how many UCP operations one post issues, after coalescing,
 // and how many descriptor pairs the transfer was built from.
-func (x *xfer) Ops() (ops, descs int) { return x.opCount(), x.descs }
+func (x *xfer) Ops() (ops, descs int) {
+	x.a.mu.Lock()
+	defer x.a.mu.Unlock()
+	if !x.copying {
+		x.materialize()
+	}
+	return x.opCount(), x.descs
+}
+
+// lazyOps is what MakeXferBlocks keeps of a DRAM transfer until its
+// operations are needed.
+type lazyOps struct {
+	spans  []blockSpan
+	lb, rb []int32
+}
+
+// materialize builds the operations of a lazily made transfer (by the one
+// goroutine that owns x: its copy goroutine while copying, else a caller
+// holding the agent mutex).
+func (x *xfer) materialize() {
+	l := x.lazy
+	if l == nil {
+		return
+	}
+	ops := make([]op, 0, len(l.spans)*len(l.lb))
+	for _, s := range l.spans {
+		for k := range l.lb {
+			ops = append(ops, op{laddr: s.laddr + uint64(l.lb[k])*s.lstride, raddr: s.raddr + uint64(l.rb[k])*s.rstride,
+				len: s.len, rkey: s.rkey, memh: s.memh})
+		}
+	}
+	x.ops = coalesce(ops)
+	x.lazy = nil
+}
 
 // opCount is the number of operations one post issues: UCP operations,
 // gather operations, or the gather_blocks kernel's items.
@@ -103,6 +139,7 @@ func (x *xfer) Post() (nixl.Status, error) {
 // postUCP posts x's operations through UCX (agent mutex held).
 func (x *xfer) postUCP(fn string) (nixl.Status, error) {
 	a, p := x.a, x.peer
+	x.materialize()
 	rc := C.gx_post(a.c, p.ep, C.int(x.op),
 		(*C.gx_iov)(unsafe.Pointer(&x.ops[0])), C.size_t(len(x.ops)),
 		rkeyPtr(p.rkeys), C.size_t(len(p.rkeys)),
@@ -126,9 +163,10 @@ func (x *xfer) hostCopy() (copyFn func() C.int, mapped bool) {
 	case x.ctls != nil:
 		return x.copyShm, true
 	}
-	pid, op, ops := C.int(p.proc.Pid), C.int(x.op), x.ops
+	pid, op := C.int(p.proc.Pid), C.int(x.op)
 	return func() C.int {
-		return C.gx_cma(pid, op, (*C.gx_iov)(unsafe.Pointer(&ops[0])), C.size_t(len(ops)))
+		x.materialize() // on the copy goroutine, which owns x until it settles
+		return C.gx_cma(pid, op, (*C.gx_iov)(unsafe.Pointer(&x.ops[0])), C.size_t(len(x.ops)))
 	}, false
 }
 
