@@ -40,6 +40,7 @@ import importlib.util
 import json
 import math
 import os
+import struct
 import time
 
 import pytest
@@ -125,8 +126,25 @@ class Sched:
 
         m = pickle.loads(pickle.dumps(self.conn.build_connector_meta(SchedulerOutput.make_empty())))
         env = msgspec.msgpack.decode(m.data)
-        assert env["v"] == 1 and isinstance(env["m"], dict), env
+        assert env["v"] == 2 and isinstance(env["m"], dict), env
+        for rr in (env["m"].get("reqs_to_recv") or {}).values():
+            if rr is not None:
+                rr["local_block_ids"] = _block_ids(rr.get("local_block_ids"))
+                if rr.get("remote") is not None:
+                    rr["remote"]["block_ids"] = _block_ids(rr["remote"].get("block_ids"))
         return env["m"]
+
+
+def _block_ids(groups):
+    """Step metadata version 2 carries each group's block ids as one bin
+    blob of little-endian int64s (shim/stepmeta.go)."""
+    if groups is None:
+        return None
+    out = []
+    for g in groups:
+        assert isinstance(g, (bytes, bytearray)) and len(g) % 8 == 0, g
+        out.append(list(struct.unpack(f"<{len(g) // 8}q", g)))
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@
 #ifndef GX_UNROLL
 #define GX_UNROLL 4
 #endif
-// GX_THREADS: the most threads a block is launched with (gxcuda.c: 256).
+// GX_THREADS: the most threads a block is launched with (gxcuda.c: 512).
 #ifndef GX_THREADS
-#define GX_THREADS 256
+#define GX_THREADS 512
 #endif
 
 // gx_copy: the threads of one block copy len bytes from s to d together.
