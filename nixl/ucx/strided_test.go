@@ -153,11 +153,10 @@ func TestStridedListChecks(t *testing.T) {
 	}
 }
 
-// BenchmarkMakeXferStrided: MakeXfer of one request's blocks (80 regions ×
-// 16 blocks in order, as a 256-token request of an 80-layer model) from
-// expanded and from strided lists.
-func BenchmarkMakeXferStrided(b *testing.B) {
-	const nreg, nblk, blk, per = 80, 512, 64, 16
+// benchPair registers nreg regions of nblk blocks of blk bytes on agent A
+// and on a peer B loaded into A, and returns A with the strided runs of
+// both sides (one run per region).
+func benchPair(b *testing.B, nreg, nblk, blk int) (a nixl.Agent, lr, rr []nixl.Strided) {
 	a, peer := newAgent(b, "A", nil, false), newAgent(b, "B", nil, false)
 	lbuf, rbuf := mmapBuf(b, nreg*nblk*blk), mmapBuf(b, nreg*nblk*blk)
 	if err := a.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(lbuf), Len: uint64(len(lbuf))}}); err != nil {
@@ -173,11 +172,19 @@ func BenchmarkMakeXferStrided(b *testing.B) {
 	if _, err := a.LoadRemoteMetadata(md); err != nil {
 		b.Fatal(err)
 	}
-	var lr, rr []nixl.Strided
 	for r := 0; r < nreg; r++ {
-		lr = append(lr, nixl.Strided{Addr: addrOf(lbuf) + uint64(r*nblk*blk), Stride: blk, Len: blk, Count: nblk})
-		rr = append(rr, nixl.Strided{Addr: addrOf(rbuf) + uint64(r*nblk*blk), Stride: blk, Len: blk, Count: nblk})
+		lr = append(lr, nixl.Strided{Addr: addrOf(lbuf) + uint64(r*nblk*blk), Stride: uint64(blk), Len: uint64(blk), Count: uint64(nblk)})
+		rr = append(rr, nixl.Strided{Addr: addrOf(rbuf) + uint64(r*nblk*blk), Stride: uint64(blk), Len: uint64(blk), Count: uint64(nblk)})
 	}
+	return a, lr, rr
+}
+
+// BenchmarkMakeXferStrided: MakeXfer of one request's blocks (80 regions ×
+// 16 blocks in order, as a 256-token request of an 80-layer model) from
+// expanded and from strided lists.
+func BenchmarkMakeXferStrided(b *testing.B) {
+	const nreg, nblk, blk, per = 80, 512, 64, 16
+	a, lr, rr := benchPair(b, nreg, nblk, blk)
 	var li, ri []int32
 	for r := 0; r < nreg; r++ {
 		for k := 0; k < per; k++ {
@@ -304,26 +311,9 @@ func TestMakeXferBlocksMatchesIndexArrays(t *testing.T) {
 // from the regions × blocks form, on DRAM lists of strided runs.
 func BenchmarkMakeXferBlocks(b *testing.B) {
 	const nreg, nblk, blk, per = 56, 4096, 64, 2048
-	a, peer := newAgent(b, "A", nil, false), newAgent(b, "B", nil, false)
-	lbuf, rbuf := mmapBuf(b, nreg*nblk*blk), mmapBuf(b, nreg*nblk*blk)
-	if err := a.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(lbuf), Len: uint64(len(lbuf))}}); err != nil {
-		b.Fatal(err)
-	}
-	if err := peer.RegisterMem(nixl.DRAM, []nixl.Region{{Addr: addrOf(rbuf), Len: uint64(len(rbuf))}}); err != nil {
-		b.Fatal(err)
-	}
-	md, err := peer.LocalMetadata()
-	if err != nil {
-		b.Fatal(err)
-	}
-	if _, err := a.LoadRemoteMetadata(md); err != nil {
-		b.Fatal(err)
-	}
-	var lr, rr []nixl.Strided
+	a, lr, rr := benchPair(b, nreg, nblk, blk)
 	regions := make([]nixl.BlockRegion, nreg)
-	for r := 0; r < nreg; r++ {
-		lr = append(lr, nixl.Strided{Addr: addrOf(lbuf) + uint64(r*nblk*blk), Stride: blk, Len: blk, Count: nblk})
-		rr = append(rr, nixl.Strided{Addr: addrOf(rbuf) + uint64(r*nblk*blk), Stride: blk, Len: blk, Count: nblk})
+	for r := range regions {
 		regions[r] = nixl.BlockRegion{Local: int32(r * nblk), Remote: int32(r * nblk)}
 	}
 	ll, _ := a.(nixl.StridedPreparer).PrepStridedDescList("", nixl.DRAM, lr)
