@@ -148,9 +148,11 @@ class Side:
 
 def prefill_main(a, conn, buffer_device: str) -> None:
     """Serves prefill requests from the decode over conn until told to stop."""
-    import torch  # noqa: F401  (CUDA tensors travel over conn as IPC handles)
+    import torch  # CUDA tensors travel over conn as IPC handles
 
     try:
+        if a.device == "cuda":
+            torch.cuda.set_device(a.prefill_gpu)
         p = Side(a, "kv_producer", "gpu-test-prefill", True, buffer_device)
         if a.device == "cuda":
             torch.cuda.synchronize()
@@ -371,6 +373,10 @@ def baselines(a, d: Side, conn, results: dict) -> None:
 def run(a, buffer_device: str, label: str, results: dict, with_baselines: bool) -> None:
     import torch.multiprocessing as tmp
 
+    if a.device == "cuda":
+        import torch
+
+        torch.cuda.set_device(a.decode_gpu)
     ctx = tmp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=prefill_main, args=(a, child, buffer_device), daemon=True)
@@ -417,6 +423,8 @@ def main() -> int:
     ap.add_argument("--staging", action="store_true", help="also kv_buffer_device cpu (host staging)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the CUDA IPC and per-block copy baselines")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--prefill-gpu", type=int, default=0, help="the prefill process's GPU")
+    ap.add_argument("--decode-gpu", type=int, default=0, help="the decode process's GPU (both must be visible to both)")
     ap.add_argument("--out", help="write the results as JSON here")
     a = ap.parse_args()
     import torch
@@ -426,7 +434,11 @@ def main() -> int:
         return 0
     results: dict = {"argv": sys.argv[1:], "torch": torch.__version__}
     if a.device == "cuda":
-        results["gpu"] = torch.cuda.get_device_name(0)
+        results["gpu"] = torch.cuda.get_device_name(a.decode_gpu)
+        results["gpus"] = {"prefill": a.prefill_gpu, "decode": a.decode_gpu, "visible": torch.cuda.device_count()}
+        if max(a.prefill_gpu, a.decode_gpu) >= torch.cuda.device_count():
+            print(f"SKIP: --prefill-gpu {a.prefill_gpu} --decode-gpu {a.decode_gpu} need {max(a.prefill_gpu, a.decode_gpu) + 1} GPUs, {torch.cuda.device_count()} visible")
+            return 0
     import gonixl
 
     results["gonixl"] = gonixl.library_version()
