@@ -49,7 +49,8 @@ def main() -> None:
     dst = cp.cuda.alloc(nreg * region)
     cp.cuda.runtime.memsetAsync(src.ptr, 1, nreg * region, 0)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    code = open(SRC).read()
+    with open(SRC) as f:
+        code = f.read()
     results = {"sms": sms, "rows": []}
     for n in a.read:
         rng = np.random.default_rng(7)
