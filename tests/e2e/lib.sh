@@ -27,7 +27,18 @@ e2e_say() { echo "$E2E_NAME: $*" >&2; }
 e2e_logs() {
   LOGS=$1
   mkdir -p "$LOGS"
-  rm -f "$LOGS"/*.log
+  rm -f "$LOGS"/*.log "$LOGS"/pytest.out
+}
+
+# e2e_pytest CMD...: runs a pytest command line, its output also kept in
+# $LOGS/pytest.out. When the run fails, the exit trap prints the logs' last
+# lines and then, last of all, the test's own report lines and its failed
+# assertions: CI shows the end of the output, and the assertion is what a
+# reader needs first.
+E2E_PYTEST_OUT=
+e2e_pytest() {
+  E2E_PYTEST_OUT="$LOGS/pytest.out"
+  "$@" 2>&1 | tee "$E2E_PYTEST_OUT"
 }
 
 # e2e_require MODEL: the venv, the proxy binary and the model exist.
@@ -96,6 +107,11 @@ e2e_cleanup() {
       echo "----- $f" >&2
       grep -v -E 'api_utils|launcher.py' "$f" | tail -n 25 >&2 || true
     done
+  fi
+  if [ $rc -ne 0 ] && [ -n "$E2E_PYTEST_OUT" ] && [ -s "$E2E_PYTEST_OUT" ]; then
+    echo "----- $E2E_NAME: the test's report lines, then its failed assertions ($E2E_PYTEST_OUT):" >&2
+    grep -v -E '^([[:space:]]|E |>|_{3,}|={3,}|-{3,}|/|tests/|[.sFE]+ *\[)' "$E2E_PYTEST_OUT" | grep -v -E $'\t(debug|info)\t' | tail -n 40 >&2 || true
+    grep -E '^(E |FAILED|ERROR)' "$E2E_PYTEST_OUT" | cut -c1-800 | head -n 40 >&2 || true
   fi
   exit $rc
 }
@@ -227,5 +243,5 @@ for line in sys.stdin.read().splitlines():
         t["combos"][name] = {"proxy": url}
 print(json.dumps(t))' <<<"$topo")
   export GONIXL_INTEROP_TOPOLOGY GONIXL_INTEROP_SUMMARY="$SUMMARY"
-  "$PY" -m pytest -q -rA -p no:cacheprovider "$ROOT/tests/e2e/test_interop.py"
+  e2e_pytest "$PY" -m pytest -q -rA -p no:cacheprovider "$ROOT/tests/e2e/test_interop.py"
 }

@@ -155,4 +155,4 @@ disown -a
 
 K=()
 [ -n "${GONIXL_FAULTS_CASES:-}" ] && K=(-k "$GONIXL_FAULTS_CASES")
-"$PY" -m pytest -q -rA -s -p no:cacheprovider "${K[@]}" "$ROOT/tests/e2e/test_faults.py"
+e2e_pytest "$PY" -m pytest -q -rA -s -p no:cacheprovider "${K[@]}" "$ROOT/tests/e2e/test_faults.py"

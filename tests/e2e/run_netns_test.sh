@@ -114,5 +114,5 @@ export GONIXL_NETNS_FAILURE_POLICY_USED="$POLICY"
 # The link to cut, and this script's network namespace where its bridge end lives.
 export GONIXL_NETNS_CUT_LINK="${NETNS_VETH[p0]}" GONIXL_NETNS_HOST_NETNS="/proc/$$/ns/net"
 e2e_say "servers ready after $(e2e_elapsed) s; running test_netns.py in namespace ${NETNS_NS[cl]}"
-ip netns exec "${NETNS_NS[cl]}" "$PY" -m pytest -q -s -p no:cacheprovider "$ROOT/tests/e2e/test_netns.py"
+e2e_pytest ip netns exec "${NETNS_NS[cl]}" "$PY" -m pytest -q -s -p no:cacheprovider "$ROOT/tests/e2e/test_netns.py"
 e2e_say "passed in $(e2e_elapsed) s"

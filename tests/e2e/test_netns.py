@@ -295,6 +295,40 @@ def baseline(examples, pool, probes) -> dict[str, str]:
     return {e.prompt: complete(BASELINE, MODEL, e) for e in examples + pool + probes}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def warm_pairs():
+    """Every decode reads once from every prefill before the measured tests.
+
+    A decode's first READ from a prefill waits for UCX to wire up the new
+    endpoint (over TCP here: both processes must progress it), and on a
+    loaded two-core host that first contact has taken over transfer_timeout
+    (a READ failed after 11.7 s and its operation ended 19.5 s after the
+    post; the request was recomputed, correctly). The tests below measure
+    the steady state and the cut, not first contact; this fixture pays it,
+    retrying a pair whose READ failed (the failure re-handshakes, so the
+    next try wires up a new endpoint), and prints what it took.
+    """
+    if not (PROXY and len(PREFILLS) == 2 and len(DECODES) == 2):
+        yield
+        return
+    prompts = iter(model_task.examples(SEED + 3, [40 + i for i in range(16)]))
+    for pi, (purl, engine) in enumerate(zip(PREFILLS, ("netns-p0", "netns-p1"))):
+        for di, durl in enumerate(DECODES):
+            tries = []
+            for attempt in range(3):
+                ex = next(prompts)
+                before = counter(metrics(durl), PROMPT_TOKENS, source="external_kv_transfer")
+                t0 = time.monotonic()
+                params = prefill_directly(ex, f"netns-warm-p{pi}-d{di}-{attempt}", purl, engine)
+                o = send(ex, f"netns-warm-p{pi}-d{di}-{attempt}", url=durl, extra={"kv_transfer_params": params})
+                read = counter(metrics(durl), PROMPT_TOKENS, source="external_kv_transfer") - before
+                tries.append(f"{time.monotonic() - t0:.1f} s (HTTP {o.status}, {read:.0f} tokens read)")
+                if o.status == 200 and read > 0:
+                    break
+            print(f"warm-up p{pi} -> d{di}: " + "; ".join(tries))
+    yield
+
+
 def test_outputs_match_baseline(examples, baseline):
     before = decode_metrics()
     half = len(examples) // 2
