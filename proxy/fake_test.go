@@ -129,14 +129,20 @@ func prefillHandler(name string) func(http.ResponseWriter, *http.Request, receiv
 	}
 }
 
-// decodeHandler answers like a vLLM decode instance: SSE when asked to
-// stream (the final chunk carries kv_transfer_params when withKV), else JSON.
+// decodeHandler answers like a vLLM decode instance: JSON unless asked to
+// stream, with kv_transfer_params when withKV (vLLM 0.32 sends them only
+// there); SSE when asked to stream, whose final chunk carries
+// kv_transfer_params when withKV (as a vLLM that sends them in streams would).
 func decodeHandler(name string, withKV bool) func(http.ResponseWriter, *http.Request, received) {
 	return func(w http.ResponseWriter, _ *http.Request, rec received) {
 		_, chat := rec.Body["messages"]
 		if rec.Body["stream"] != true {
-			writeTestJSON(w, 200, map[string]any{"id": "cmpl-" + name, "choices": []any{
-				map[string]any{"index": 0, "text": "hello world", "finish_reason": "stop"}}})
+			body := map[string]any{"id": "cmpl-" + name, "object": "text_completion", "model": "m-" + name, "choices": []any{
+				map[string]any{"index": 0, "text": "hello world", "finish_reason": "stop"}}}
+			if withKV {
+				body["kv_transfer_params"] = decodeParams(name)
+			}
+			writeTestJSON(w, 200, body)
 			return
 		}
 		w.Header().Set("Content-Type", "text/event-stream; charset=utf-8")

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -72,7 +73,12 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 
 	// The decode request: the client's body (without conversation_id), the
 	// prefill's params with remote_host set to the prefill instance's host,
-	// always streamed.
+	// streamed when the client streams. vLLM (0.32, installed) puts a
+	// request's kv_transfer_params only in a non-streaming response — its
+	// stream chunks have no such field — so a non-streaming client's turn
+	// goes to the decode non-streaming, and the decode's params for the next
+	// turn come from that body. A streaming client's chunks are still
+	// searched (a vLLM that sends them in the last chunk is served too).
 	d := ex.body.clone()
 	if !p.cfg.ForwardClientKVParams {
 		delete(d, "kv_transfer_params") // a client's own never reach the decode
@@ -85,7 +91,9 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 		}
 		d.setRaw("kv_transfer_params", b)
 	}
-	d.setRaw("stream", jsonTrue)
+	if wantStream {
+		d.setRaw("stream", jsonTrue)
+	}
 	dbody, err := d.marshal()
 	if err != nil {
 		writeError(ex.w, http.StatusInternalServerError, "internal_error", "internal_error", err.Error())
@@ -152,8 +160,42 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 		}
 	}
 
-	// The client wants one JSON response: read the whole stream, then build an
-	// OpenAI-style response as the reference does (usage is null).
+	// The client wants one JSON response, and so does the decode request.
+	// Its body is relayed without kv_transfer_params (the decode's handle to
+	// its blocks is the proxy's business, not the client's). A decode that
+	// streams anyway is read to the end and an OpenAI-style response is built
+	// from its chunks, as the reference does (usage is null).
+	if ct := resp.Header.Get("Content-Type"); !strings.HasPrefix(ct, "text/event-stream") {
+		data, err := readBody(io.LimitReader(resp.Body, p.cfg.MaxBodyBytes+1), resp.ContentLength, p.cfg.MaxBodyBytes)
+		if err == nil && int64(len(data)) > p.cfg.MaxBodyBytes {
+			err = fmt.Errorf("response exceeds %d bytes", p.cfg.MaxBodyBytes)
+		}
+		if err != nil {
+			p.writeFailure(ex.w, ex.r, &upstreamError{role: roleDecode, target: di.String(), reason: reasonOf(ctx, err), err: err})
+			return
+		}
+		timer.progress()
+		p.m.decodeTotal.Observe(time.Since(start).Seconds())
+		o, perr := parseObject(data)
+		if perr != nil {
+			p.writeFailure(ex.w, ex.r, &upstreamError{role: roleDecode, target: di.String(), reason: "bad_response",
+				err: fmt.Errorf("response is not a JSON object: %w", perr)})
+			return
+		}
+		capture(o)
+		if _, ok := o["kv_transfer_params"]; ok {
+			delete(o, "kv_transfer_params")
+			if data, err = o.marshal(); err != nil {
+				writeError(ex.w, http.StatusInternalServerError, "internal_error", "internal_error", err.Error())
+				return
+			}
+		}
+		h := ex.w.Header()
+		h.Set("Content-Type", "application/json")
+		ex.w.WriteHeader(resp.StatusCode)
+		_, _ = ex.w.Write(data)
+		return
+	}
 	var (
 		text       strings.Builder
 		finish     json.RawMessage

@@ -81,12 +81,13 @@ func TestMultiturnRewrites(t *testing.T) {
 		t.Errorf("decode body\n got %s\nwant %s", jsonOf(t, db), jsonOf(t, want))
 	}
 
-	// A non-streaming client request still streams from decode.
+	// A non-streaming client request goes to the decode non-streaming
+	// (vLLM returns kv_transfer_params only in a non-streaming body).
 	if status, _, b := r.post("/v1/chat/completions", chatBody("conv-2", false, nil), nil); status != 200 {
 		t.Fatalf("status %d: %s", status, b)
 	}
-	if got := df.requests()[1].Body["stream"]; got != true {
-		t.Errorf("decode stream = %v for a non-streaming client, want true", got)
+	if got := df.requests()[1].Body["stream"]; got == true {
+		t.Errorf("decode stream = %v for a non-streaming client, want false", got)
 	}
 }
 
@@ -245,25 +246,40 @@ func TestMultiturnStreamRelayedUnchanged(t *testing.T) {
 	}
 }
 
-func TestMultiturnAssemblesNonStreaming(t *testing.T) {
-	r, _, _ := multiturnRig(t, nil)
-	status, _, got := r.post("/v1/chat/completions", chatBody("c", false, nil), nil)
-	want := map[string]any{"id": "chatcmpl-d0", "object": "chat.completion", "created": 1700000000.0, "model": "m-d0",
-		"choices": []any{map[string]any{"index": 0.0, "message": map[string]any{"role": "assistant", "content": "hello world"},
-			"finish_reason": "length"}}, "usage": nil}
+func TestMultiturnNonStreamingRelaysDecodeBody(t *testing.T) {
+	r, _, df := multiturnRig(t, nil)
+	status, _, got := r.post("/v1/completions", map[string]any{"model": "m", "prompt": "p", "conversation_id": "c"}, nil)
+	want := map[string]any{"id": "cmpl-d0", "object": "text_completion", "model": "m-d0",
+		"choices": []any{map[string]any{"index": 0.0, "text": "hello world", "finish_reason": "stop"}}}
 	var m map[string]any
 	_ = json.Unmarshal(got, &m)
 	if status != 200 || !reflect.DeepEqual(m, want) {
-		t.Errorf("chat response %d %s\nwant %v", status, got, want)
+		t.Errorf("response %d %s\nwant %v (the decode's body without kv_transfer_params)", status, got, want)
 	}
-	if r.p.Cache().Len() != 1 {
-		t.Errorf("non-streaming turn did not cache the decode params")
+	if df.requests()[0].Body["stream"] == true {
+		t.Errorf("decode asked to stream for a non-streaming client: %v", df.requests()[0].Body)
 	}
+	cached, res := r.p.Cache().Take("c")
+	if res != Hit {
+		t.Fatalf("non-streaming turn did not cache the decode params (%v)", res)
+	}
+	var kv map[string]any
+	_ = json.Unmarshal(cached, &kv)
+	wantKV := decodeParams("d0")
+	wantKV["remote_host"] = "d0.test"
+	if !reflect.DeepEqual(kv, wantKV) {
+		t.Errorf("cached %v, want %v", kv, wantKV)
+	}
+}
 
+func TestMultiturnAssemblesNonStreaming(t *testing.T) {
+	// A decode that streams although asked not to: the proxy reads the
+	// stream to the end and builds one response, as the reference does.
 	// Completions, with a decode stream lacking id/model/created: the
 	// request id, the request's model and the clock fill in.
 	pf := newFake(t, "p1", prefillHandler("p1"))
 	df := newFake(t, "d1", func(w http.ResponseWriter, _ *http.Request, _ received) {
+		w.Header().Set("Content-Type", "text/event-stream")
 		fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"a\"}]}\n\nnot data\n\ndata: {bad json}\n\n"+
 			"data: {\"choices\":[{\"text\":\"b\",\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\ndata: {\"choices\":[{\"text\":\"after\"}]}\n\n")
 	})
@@ -271,10 +287,10 @@ func TestMultiturnAssemblesNonStreaming(t *testing.T) {
 		c.Mode = ModeMultiturn
 		c.NewRequestID = func() string { return "rid" }
 	})
-	status, _, got = r2.post("/v1/completions", map[string]any{"model": "mm", "prompt": "p"}, nil)
-	want = map[string]any{"id": "rid", "object": "text_completion", "created": float64(r2.clock().Unix()), "model": "mm",
+	status, _, got := r2.post("/v1/completions", map[string]any{"model": "mm", "prompt": "p"}, nil)
+	want := map[string]any{"id": "rid", "object": "text_completion", "created": float64(r2.clock().Unix()), "model": "mm",
 		"choices": []any{map[string]any{"index": 0.0, "text": "ab", "logprobs": nil, "finish_reason": "stop"}}, "usage": nil}
-	m = nil
+	var m map[string]any
 	_ = json.Unmarshal(got, &m)
 	if status != 200 || !reflect.DeepEqual(m, want) {
 		t.Errorf("completion response %d %s\nwant %v", status, got, want)

@@ -50,6 +50,12 @@ type TransferParams struct {
 	RemoteNumTokens int64
 	RemoteBlockSize int
 	RemoteExpiry    *float64
+	// ReadbackTokens (gonixl_readback_tokens, -1 when absent): in a
+	// bidirectional turn, how many leading tokens of this prompt match the
+	// tokens whose KV the decode holds, as the Python connector found by
+	// comparing the decode's token digest (pybridge/gonixl/vllm.py); the
+	// prefill pulls no further.
+	ReadbackTokens  int64
 	BlocksProcessed bool // _remote_blocks_processed
 	hasEngine       bool
 	hasRequest      bool
@@ -153,6 +159,15 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 			return nil, fmt.Errorf("kv_transfer_params: remote_num_tokens %d is negative", v)
 		}
 		p.RemoteNumTokens = v
+	}
+	p.ReadbackTokens = -1
+	if v, ok, err := getInt(raw, "gonixl_readback_tokens"); err != nil {
+		return nil, err
+	} else if ok {
+		if v < 0 {
+			return nil, fmt.Errorf("kv_transfer_params: gonixl_readback_tokens %d is negative", v)
+		}
+		p.ReadbackTokens = v
 	}
 	if v, ok, err := getFloat(raw, "remote_blocks_expiry_time"); err != nil {
 		return nil, err

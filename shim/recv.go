@@ -210,6 +210,13 @@ func (w *Worker) pairBlocks(rr *RecvReq, re *remoteEngine) (BlockIDs, BlockIDs, 
 		if g < len(groups) && w.cfg.HMARequired {
 			window = groups[g].blocksInWindow()
 		}
+		if rr.Readback && window == 0 && g < len(rr.LocalNumComputed) && int64(len(l)) > 0 {
+			// The decode's list runs over its prompt and output; this
+			// engine reads only up to what it allocated (vLLM's end trim).
+			if need := rr.LocalNumComputed[g] + int64(len(l)); int64(len(r)) >= need {
+				r = r[:need]
+			}
+		}
 		switch {
 		case window > 0 && len(r) > window:
 			return nil, nil, fmt.Errorf("group %d: %d remote block ids for a sliding window of %d blocks", g, len(r), window)

@@ -153,6 +153,18 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 		if remote > numPromptTokens {
 			remote = numPromptTokens
 		}
+		if p.ReadbackTokens >= 0 && remote > p.ReadbackTokens {
+			// The prompt differs from the decode's tokens past this point
+			// (an edited history): KV beyond it was computed from other
+			// tokens and must not be used.
+			remote = p.ReadbackTokens
+		}
+		if remote < p.RemoteNumTokens && s.hasSlidingWindow() {
+			// A sliding-window group's remote list holds only the blocks
+			// in the window before the decode's last token; a pull that
+			// ends earlier would take them for other positions. Compute.
+			return 0, false
+		}
 		if count := remote - numComputed; count > 0 {
 			if th := int64(s.cfg.KVRecomputeThreshold); th > 0 && count < th {
 				return 0, false
@@ -161,6 +173,17 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 		}
 	}
 	return 0, false
+}
+
+// hasSlidingWindow reports whether a transfer group is a sliding
+// window (its remote block lists are clipped to the window).
+func (s *Scheduler) hasSlidingWindow() bool {
+	for _, g := range s.cfg.TransferGroups {
+		if g.SlidingWindow > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // UpdateStateAfterAlloc records the local blocks allocated for a request.
@@ -198,6 +221,7 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 				PPSize:           p.PPSize,
 				RemoteBlockSize:  p.RemoteBlockSize,
 				AwaitingKVs:      numExternal > 0,
+				Readback:         !p.DoRemotePrefill,
 				Remote: RemoteMeta{
 					BlockIDs:  p.RemoteBlockIDs,
 					Host:      p.RemoteHost,

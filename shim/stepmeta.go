@@ -28,6 +28,12 @@ type RecvReq struct {
 	RemoteBlockSize  int        `msgpack:"remote_block_size"`
 	AwaitingKVs      bool       `msgpack:"awaiting_kvs"`
 	Remote           RemoteMeta `msgpack:"remote"`
+	// Readback: a bidirectional turn, this (prefill) engine reading the
+	// earlier turns' KV back from the decode that holds it. The remote list
+	// then covers the decode's tokens (prompt and output, which may run
+	// past this prompt or past what this engine pulls) and is trimmed at
+	// its end to the blocks this engine allocated.
+	Readback bool `msgpack:"readback,omitempty"`
 }
 
 // HeartbeatInfo is what a decode worker needs to keep one prefill engine's

@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 from vllm.logger import init_logger
 
 from . import _lib, errors
+from .digest import READBACK_DIGEST_KEY, READBACK_TOKENS_KEY, DigestError, matched_tokens, token_digest
 from .engine import HostStaging, flatten_groups, layer_descriptions
 
 if TYPE_CHECKING:
@@ -93,9 +94,7 @@ def _request_amx_tile_permission() -> None:
     except (ImportError, AttributeError):
         return
     libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.syscall(
-        ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM), ctypes.c_long(_XFEATURE_XTILEDATA)
-    )
+    rc = libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM), ctypes.c_long(_XFEATURE_XTILEDATA))
     if rc != 0:
         e = ctypes.get_errno()
         logger.warning(
@@ -336,6 +335,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._stage_recv: dict[str, list[int]] = {}
         self._host: Optional[HostStaging] = None
         self._recv_blocks: dict[str, list[int]] = {}
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._warned_no_digest = False
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _new("gonixl_scheduler_new", _config_json(vllm_config, "scheduler", kv_cache_config))
         elif role == KVConnectorRole.WORKER:
@@ -404,8 +405,51 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         request.kv_transfer_params["do_remote_prefill"] = False
         request.kv_transfer_params["gonixl_prompt_mismatch"] = True
 
+    def _check_readback_digest(self, request: "Request") -> None:
+        """Bidirectional turn: limit the pull from the decode to the leading
+        prompt tokens that are the decode's tokens (gonixl.digest). An
+        edited history then pulls the unchanged prefix, or nothing."""
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_decode") or p.get("_remote_blocks_processed"):
+            return
+        if READBACK_DIGEST_KEY not in p:
+            if p.get("remote_block_ids") and READBACK_TOKENS_KEY not in p and not self._warned_no_digest:
+                self._warned_no_digest = True
+                logger.warning(
+                    "GoNixlConnector: kv_transfer_params from decode engine %s carry no token digest (a stock NixlConnector "
+                    "decode): the conversation history is not checked against the decode's tokens before its KV is pulled",
+                    p.get("remote_engine_id"),
+                )
+            return
+        digest = p.pop(READBACK_DIGEST_KEY)
+        rn = p.get("remote_num_tokens")
+        n = rn if isinstance(rn, int) else 0
+        try:
+            matched = matched_tokens(digest, request.prompt_token_ids or ())
+        except DigestError as e:
+            logger.error(
+                "GoNixlConnector: request %s: %s; pulling nothing from decode engine %s",
+                request.request_id,
+                e,
+                p.get("remote_engine_id"),
+            )
+            matched = 0
+        p[READBACK_TOKENS_KEY] = matched
+        if matched < min(n, len(request.prompt_token_ids or ())):
+            logger.warning(
+                "GoNixlConnector: request %s: the prompt differs from the tokens whose KV decode engine %s holds "
+                "(request %s, %s tokens) after token %s: pulling %s",
+                request.request_id,
+                p.get("remote_engine_id"),
+                p.get("remote_request_id"),
+                n,
+                matched,
+                f"the first {matched} tokens" if matched else "nothing (the prompt is computed here)",
+            )
+
     def on_new_request(self, request: "Request") -> None:
         self._check_prompt_digest(request)
+        self._check_readback_digest(request)
         rid, pj = _s(request.request_id), _params_json(request)
         if not pj:
             return
@@ -413,6 +457,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         self._check_prompt_digest(request)
+        self._check_readback_digest(request)
         pj = _params_json(request)
         if not pj:
             return 0, False
@@ -550,6 +595,13 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             digest = prompt_digest(request.prompt_token_ids, params.get("remote_num_tokens") or 0)
             if digest is not None:
                 params[PROMPT_DIGEST_KEY] = digest
+        elif params and params.get("do_remote_decode") and params.get("remote_block_ids"):
+            # A decode's params for the next turn (bidirectional): what its
+            # blocks hold, for the prefill to check its prompt against.
+            n = params.get("remote_num_tokens") or 0
+            tdigest = token_digest(request.all_token_ids, n, self._block_size)
+            if tdigest is not None:
+                params[READBACK_DIGEST_KEY] = tdigest
         return bool(delay.value), params
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
