@@ -216,6 +216,12 @@ cmd_test() {
   # shim's 1 ms delay; docs/ENVIRONMENT.md).
   log "e2e: tests/e2e/run_accuracy_test.sh with GONIXL_E2E_ENGINE=nixl"
   GONIXL_E2E_ENGINE=nixl bash tests/e2e/run_accuracy_test.sh
+  # Bidirectional KV transfer: multi-turn conversations through
+  # gonixl-proxy --multiturn, the prefills pulling the history back from the
+  # decode (prompt_tokens_by_source proves they computed only the new
+  # tokens), an edited history limited by the decode's token digest.
+  log "e2e: tests/e2e/run_multiturn_test.sh"
+  bash tests/e2e/run_multiturn_test.sh
   # Real model geometries, and interop with vLLM's stock NixlConnector in
   # both directions (stock prefill -> gonixl decode, gonixl prefill -> stock
   # decode, and gonixl on both sides), each against the aggregated baseline:

@@ -1,0 +1,266 @@
+"""Bidirectional KV transfer end to end (run through tests/e2e/run_multiturn_test.sh).
+
+Two prefill vLLMs (no prefix caching) and one decode vLLM, all with
+GoNixlConnector and bidirectional_kv_xfer, behind gonixl-proxy --multiturn;
+an aggregated vLLM gives the expected text of every turn for the same
+history. A turn's prompt is the previous prompt, its answer and the new
+message (tests/e2e/chat_template.jinja), so from turn 2 on the decode holds
+the KV of the whole earlier conversation and the prefill pulls it back.
+
+The prefills keep no prefix cache: a prompt token a prefill did not compute
+is one it pulled. vLLM's own counters (prompt_tokens_by_source on the
+prefills) must then equal, token for token, what the rules predict:
+- a turn whose params the proxy had cached pulls min(n, prompt) tokens, n
+  being the decode's computed tokens of the previous turn (prompt +
+  completion - 1), unless that is below kv_recompute_threshold (64);
+- an edited history pulls only the prefix that the decode's token digest
+  vouches for (gonixl.digest: whole checkpoints of 256 tokens here);
+- a miss (first turn, no conversation_id, a streamed turn — vLLM 0.32 puts
+  kv_transfer_params in non-streaming bodies only —, a conversation idle
+  past the proxy's cache TTL) computes the whole prompt.
+Every turn's text must equal the baseline's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import json
+import os
+import sys
+import time
+import urllib.request
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_common import PROMPT_TOKENS, counter, metrics, model_task
+
+ENV = os.environ.get
+PROXY = ENV("GONIXL_MT_PROXY")
+BASELINE = ENV("GONIXL_MT_BASELINE")
+PREFILLS = (ENV("GONIXL_MT_PREFILLS") or "").split()
+DECODE = ENV("GONIXL_MT_DECODE")
+LOGS = ENV("GONIXL_MT_LOGS", "")
+MODEL = ENV("GONIXL_E2E_MODEL")
+TTL = float(ENV("GONIXL_MT_TTL", "30"))
+PROXY_TTL = TTL - 10
+
+pytestmark = pytest.mark.skipif(
+    not (PROXY and BASELINE and len(PREFILLS) == 2 and DECODE),
+    reason="run through tests/e2e/run_multiturn_test.sh (it starts the servers)",
+)
+
+THRESHOLD = 64  # kv_recompute_threshold's default in bidirectional mode
+STEP = 256  # gonixl.digest checkpoints at block size 32
+MAX_TOKENS = model_task.MAX_KEY_LEN + 2
+
+
+def chat(
+    url: str, messages: list[dict], conv: str | None = None, stream: bool = False
+) -> tuple[str, dict]:
+    body: dict = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "seed": 0,
+    }
+    if conv:
+        body["conversation_id"] = conv
+    if stream:
+        body["stream"] = True
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        if not stream:
+            data = json.load(r)
+            assert url != PROXY or "kv_transfer_params" not in data, (
+                f"the proxy passed the decode's params on: {data}"
+            )
+            return data["choices"][0]["message"]["content"], data.get("usage") or {}
+        text = []
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[6:]).get("choices", []):
+                text.append((ch.get("delta") or {}).get("content") or "")
+        return "".join(text), {}
+
+
+def prefill_sources() -> tuple[float, float]:
+    """(local_compute, external_kv_transfer) prompt tokens, summed over the prefills."""
+    texts = [metrics(u) for u in PREFILLS]
+    return (
+        sum(counter(t, PROMPT_TOKENS, source="local_compute") for t in texts),
+        sum(counter(t, PROMPT_TOKENS, source="external_kv_transfer") for t in texts),
+    )
+
+
+@dataclasses.dataclass
+class Turn:
+    conv: str
+    index: int
+    prompt_tokens: int  # from the baseline's usage
+    got: str
+    want: str
+    pulled: int  # expected external tokens on the prefill
+    completion_tokens: int = 0
+
+
+def pulled_for(prompt: int, n_prev: int | None, matched: int | None = None) -> int:
+    """Tokens the prefill pulls for a cached turn (0 for a miss)."""
+    if n_prev is None:
+        return 0
+    n = min(n_prev, prompt) if matched is None else min(matched, n_prev, prompt)
+    return n if n >= THRESHOLD else 0
+
+
+def converse(
+    conv: str,
+    user_lengths: list[int],
+    seed: int,
+    *,
+    send_id: bool = True,
+    stream: bool = False,
+    edit_at: dict | None = None,
+    idle_before: dict | None = None,
+) -> list[Turn]:
+    """A conversation through the proxy, each turn checked against the baseline.
+
+    edit_at {turn: char}: before that turn, the first user message is edited
+    at that character (the client rewrote its history). idle_before {turn:
+    seconds}: the conversation pauses that long before the turn, past the
+    proxy's cache TTL, so that the turn is a miss.
+    """
+    users = [e.prompt for e in model_task.examples(seed, user_lengths)]
+    history: list[dict] = []
+    turns: list[Turn] = []
+    n_prev: int | None = None
+    for k, u in enumerate(users):
+        if idle_before and k in idle_before:
+            time.sleep(idle_before[k])
+            n_prev = None
+        matched = None
+        if edit_at and k in edit_at:
+            pos = edit_at[k]
+            first = history[0]["content"]
+            history[0] = {
+                "role": "user",
+                "content": first[:pos]
+                + ("a" if first[pos] != "a" else "b")
+                + first[pos + 1 :],
+            }
+            matched = (pos // STEP) * STEP
+        history.append({"role": "user", "content": u})
+        want, usage = chat(BASELINE, history)
+        got, dusage = chat(PROXY, history, conv if send_id else None, stream)
+        prompt = int(usage["prompt_tokens"])
+        t = Turn(
+            conv,
+            k,
+            prompt,
+            got,
+            want,
+            pulled_for(prompt, n_prev, matched),
+            int(dusage.get("completion_tokens", 0)),
+        )
+        turns.append(t)
+        history.append({"role": "assistant", "content": got})
+        # What the decode holds for the next turn: its computed tokens.
+        n_prev = (
+            prompt + t.completion_tokens - 1
+            if (send_id and not stream and t.completion_tokens)
+            else None
+        )
+    return turns
+
+
+def check(
+    turns: list[Turn],
+    before: tuple[float, float],
+    after: tuple[float, float],
+    label: str,
+) -> None:
+    wrong = [(t.conv, t.index, t.got, t.want) for t in turns if t.got != t.want]
+    computed, external = after[0] - before[0], after[1] - before[1]
+    want_external = sum(t.pulled for t in turns)
+    want_computed = sum(t.prompt_tokens - t.pulled for t in turns)
+    hits = sum(t.pulled > 0 for t in turns)
+    print(
+        f"{label}: {len(turns)} turns, {len(turns) - len(wrong)} equal to the baseline; {hits} pulled KV from the decode; "
+        f"prefill prompt tokens: computed {computed:.0f} (want {want_computed}), pulled {external:.0f} (want {want_external})"
+    )
+    assert not wrong, (
+        f"{label}: turns whose text differs from the baseline (conv, turn, got, want): {wrong}"
+    )
+    assert external == want_external, (
+        f"{label}: the prefills pulled {external:.0f} prompt tokens, want {want_external}"
+    )
+    assert computed == want_computed, (
+        f"{label}: the prefills computed {computed:.0f} prompt tokens, want {want_computed} (only the new ones)"
+    )
+
+
+def log(name: str) -> str:
+    with open(os.path.join(LOGS, name + ".log"), errors="replace") as f:
+        return f.read()
+
+
+def test_concurrent_conversations_pull_the_history_back():
+    before = prefill_sources()
+    with cf.ThreadPoolExecutor(3) as pool:
+        futs = [
+            pool.submit(converse, f"conv-{i}", [150 - 20 * i, 100, 80, 60], 100 + i)
+            for i in range(3)
+        ]
+        turns = [t for f in futs for t in f.result()]
+    check(turns, before, prefill_sources(), "3 concurrent conversations of 4 turns")
+    assert sum(t.pulled > 0 for t in turns) == 9, (
+        "every turn from the second on pulls the history"
+    )
+
+
+def test_edited_history_pulls_only_the_unchanged_prefix():
+    before = prefill_sources()
+    # Turn 2 rewrites a character of the first message at 280 (the pull
+    # stops at the checkpoint before it, 256), turn 3 at 100 (nothing is
+    # pulled: the first checkpoint already differs).
+    turns = converse("conv-edit", [300, 60, 60, 60], 200, edit_at={2: 280, 3: 100})
+    check(turns, before, prefill_sources(), "edited history")
+    assert [t.pulled for t in turns][2:] == [256, 0]
+    text = log("prefill0") + log("prefill1")
+    assert "after token 256: pulling the first 256 tokens" in text, (
+        "no prefill logged the partial pull of the edited history"
+    )
+    assert "after token 0: pulling nothing" in text, (
+        "no prefill logged the refused pull of the edited history"
+    )
+
+
+def test_turns_without_conversation_id_are_misses():
+    before = prefill_sources()
+    turns = converse("no-id", [120, 80, 60], 300, send_id=False)
+    check(turns, before, prefill_sources(), "no conversation_id")
+
+
+def test_streamed_turns_are_correct():
+    before = prefill_sources()
+    turns = converse("conv-stream", [120, 80, 60], 400, stream=True)
+    check(turns, before, prefill_sources(), "streamed turns")
+
+
+def test_idle_conversation_falls_back_to_a_full_prefill():
+    before = prefill_sources()
+    turns = converse("conv-idle", [150, 80, 60], 500, idle_before={1: PROXY_TTL + 2})
+    check(
+        turns,
+        before,
+        prefill_sources(),
+        f"idle {PROXY_TTL + 2:.0f} s before turn 2 (> proxy cache TTL {PROXY_TTL:.0f} s)",
+    )
+    assert [t.pulled > 0 for t in turns] == [False, False, True]
