@@ -43,6 +43,11 @@
 //     never reused (httpx's 5 s pool expiry raced it);
 //   - --reuse-mode oneway (from a later revision of the multi-turn proxy that
 //     the stored sources lack) is read as "never cache": every turn misses;
+//   - the multi-turn proxy sends a non-streaming turn to the decode instance
+//     non-streaming (the reference always streams it): vLLM 0.32 returns
+//     kv_transfer_params only in a non-streaming body, its stream chunks have
+//     no such field, so a streamed decode never brought them back. The
+//     decode's body is relayed (with its usage) without the params;
 //   - the conversation cache is bounded (Config.MaxConversations);
 //   - GET /v1/models is forwarded to a decode instance, and both health
 //     endpoints and /metrics are served in both modes.

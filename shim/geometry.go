@@ -66,6 +66,10 @@ type kvGeometry struct {
 	PPSize      int      `json:"pp_size"`
 	PPRank      int      `json:"pp_rank"`
 	RegionKinds []string `json:"region_kinds"`
+	// Direction is "bidirectional" when bidirectional_kv_xfer is on, else
+	// "oneway": both ends of a bidirectional deployment must have it
+	// (the decode keeps its blocks for the prefill's readback only then).
+	Direction string `json:"transfer_direction,omitempty"`
 }
 
 func (w *Worker) geometryOf(layout *KVLayout) kvGeometry {
@@ -84,7 +88,10 @@ func (w *Worker) geometryOf(layout *KVLayout) kvGeometry {
 	}
 	g := kvGeometry{Model: str("model"), Dtype: str("dtype"), CacheDtype: str("cache_dtype"),
 		NumKVHeads: num("num_kv_heads"), HeadSize: num("head_size"), NumLayers: num("num_hidden_layers"),
-		TPSize: w.cfg.TPSize, PPSize: w.cfg.PPSize, PPRank: w.cfg.PPRank}
+		TPSize: w.cfg.TPSize, PPSize: w.cfg.PPSize, PPRank: w.cfg.PPRank, Direction: "oneway"}
+	if w.cfg.BidirectionalKVXfer {
+		g.Direction = "bidirectional"
+	}
 	for _, r := range layout.Regions {
 		g.RegionKinds = append(g.RegionKinds, r.Kind)
 	}
@@ -211,6 +218,10 @@ func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend s
 			return fmt.Errorf("runs tp_size %d, but the request's kv_transfer_params say %d", theirs.TPSize, plan.remoteTP)
 		}
 		theirs.TPSize = mine.TPSize
+		if theirs.Direction != "" && mine.Direction != "" && theirs.Direction != mine.Direction {
+			return fmt.Errorf("has bidirectional_kv_xfer %v, this engine %v: set kv_connector_extra_config.bidirectional_kv_xfer the same on prefill and decode",
+				theirs.Direction == "bidirectional", mine.Direction == "bidirectional")
+		}
 		if d := firstGeometryDifference(theirs, mine); d != "" {
 			return fmt.Errorf("differs in %s", d)
 		}

@@ -241,6 +241,9 @@ func TestHandshakeIdentityCheck(t *testing.T) {
 		{"pipeline stage", func(m *sidechannel.AgentMetadata) {
 			m.Geometry = strings.Replace(m.Geometry, `"pp_rank":0`, `"pp_rank":1`, 1)
 		}, "pp_rank: remote 1, this engine 0"},
+		{"bidirectional on one side only", func(m *sidechannel.AgentMetadata) {
+			m.Geometry = strings.Replace(m.Geometry, `"transfer_direction":"oneway"`, `"transfer_direction":"bidirectional"`, 1)
+		}, "has bidirectional_kv_xfer true, this engine false: set kv_connector_extra_config.bidirectional_kv_xfer the same on prefill and decode"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

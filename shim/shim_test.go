@@ -818,3 +818,54 @@ func TestRemotePortNullOrZeroComputedLocally(t *testing.T) {
 		}
 	}
 }
+
+// A bidirectional turn pulls min(decode's tokens, prompt), capped by the
+// prefix the decode's token digest vouches for (gonixl_readback_tokens), and
+// nothing below kv_recompute_threshold; with a sliding-window group a pull
+// that would end before the decode's last token is not made at all.
+func TestReadbackPullsOnlyTheMatchedPrefix(t *testing.T) {
+	extra := map[string]any{"bidirectional_kv_xfer": true}
+	s, err := NewScheduler(fzConfig(t, RoleScheduler, "kv_producer", extra, nil), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	params := func(more string) *TransferParams {
+		return mustParams(t, `{"do_remote_decode":true,"do_remote_prefill":false,"remote_block_ids":[[1,2,3,4,5,6,7,8,9,10]],`+
+			`"remote_engine_id":"d","remote_request_id":"r","remote_host":"127.0.0.1","remote_port":5601,"remote_num_tokens":300`+more+`}`)
+	}
+	for _, c := range []struct {
+		name             string
+		more             string
+		prompt, computed int64
+		want             int64
+	}{
+		{"whole history", "", 400, 0, 300},
+		{"shorter prompt", "", 200, 0, 200},
+		{"local prefix hit", "", 400, 128, 172},
+		{"edited after 256", `,"gonixl_readback_tokens":256`, 400, 0, 256},
+		{"edited at the start", `,"gonixl_readback_tokens":0`, 400, 0, 0},
+		{"match below the threshold", `,"gonixl_readback_tokens":32`, 400, 0, 0},
+		{"digest covers all", `,"gonixl_readback_tokens":300`, 400, 0, 300},
+	} {
+		n, async := s.GetNumNewMatchedTokens(params(c.more), c.prompt, c.computed)
+		if n != c.want || async != (c.want > 0) {
+			t.Errorf("%s: matched %d (async %v), want %d", c.name, n, async, c.want)
+		}
+	}
+	if _, err := ParseTransferParams([]byte(`{"do_remote_decode":true,"gonixl_readback_tokens":-1}`)); err == nil {
+		t.Error("a negative gonixl_readback_tokens was accepted")
+	}
+
+	more := map[string]any{"transfer_groups": []map[string]any{
+		{"kind": "full", "block_size": tBlockSize}, {"kind": "sliding_window", "sliding_window": 64, "block_size": tBlockSize}}}
+	sw, err := NewScheduler(fzConfig(t, RoleScheduler, "kv_producer", extra, more), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := sw.GetNumNewMatchedTokens(params(`,"gonixl_readback_tokens":256`), 400, 0); n != 0 {
+		t.Errorf("sliding-window model: a pull ending before the decode's last token matched %d tokens", n)
+	}
+	if n, _ := sw.GetNumNewMatchedTokens(params(""), 400, 0); n != 300 {
+		t.Errorf("sliding-window model, whole history: matched %d, want 300", n)
+	}
+}
