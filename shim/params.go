@@ -55,7 +55,10 @@ type TransferParams struct {
 	// tokens whose KV the decode holds, as the Python connector found by
 	// comparing the decode's token digest (pybridge/gonixl/vllm.py); the
 	// prefill pulls no further.
-	ReadbackTokens  int64
+	ReadbackTokens int64
+	// ExpiryUnix (gonixl_expiry_unix, 0 when absent): the Unix time at
+	// which a gonixl decode frees the blocks these params name.
+	ExpiryUnix      float64
 	BlocksProcessed bool // _remote_blocks_processed
 	hasEngine       bool
 	hasRequest      bool
@@ -168,6 +171,14 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 			return nil, fmt.Errorf("kv_transfer_params: gonixl_readback_tokens %d is negative", v)
 		}
 		p.ReadbackTokens = v
+	}
+	if v, ok, err := getFloat(raw, "gonixl_expiry_unix"); err != nil {
+		return nil, err
+	} else if ok {
+		if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
+			return nil, fmt.Errorf("kv_transfer_params: gonixl_expiry_unix %v is not a time", v)
+		}
+		p.ExpiryUnix = v
 	}
 	if v, ok, err := getFloat(raw, "remote_blocks_expiry_time"); err != nil {
 		return nil, err

@@ -6,6 +6,7 @@ import (
 	"os"
 	"sort"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -19,7 +20,11 @@ import (
 type Scheduler struct {
 	cfg   *Config
 	clock Clock
-	log   *zap.Logger
+	// wall is the Unix time in seconds (tests replace it): a decode's
+	// params carry the wall-clock end of its blocks' TTL, comparable across
+	// processes and (NTP-synchronised) hosts, unlike clock.
+	wall func() float64
+	log  *zap.Logger
 
 	mu                sync.Mutex
 	closed            bool
@@ -55,6 +60,7 @@ func NewScheduler(cfg *Config, clock Clock) (_ *Scheduler, err error) {
 	s := &Scheduler{
 		cfg:              cfg,
 		clock:            clock,
+		wall:             func() float64 { return float64(time.Now().UnixNano()) / 1e9 },
 		log:              Logger().With(zap.String("role", "scheduler"), zap.String("engine_id", cfg.EngineID)),
 		reqsNeedRecv:     map[string]*RecvReq{},
 		reqsNeedSend:     map[string]float64{},
@@ -153,6 +159,16 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 		if remote > numPromptTokens {
 			remote = numPromptTokens
 		}
+		if p.ExpiryUnix > 0 && s.wall()+readbackMargin >= p.ExpiryUnix {
+			// The decode's TTL on these blocks has run out (or ends before
+			// a READ could be trusted to finish): its blocks may hold
+			// another request's KV by now. Compute the prompt here rather
+			// than wait for a READ the worker would decline.
+			s.log.Info("the decode's blocks of this conversation expired (decoder_kv_blocks_ttl): computing the whole prompt",
+				zap.String("remote_engine_id", p.RemoteEngineID), zap.String("remote_request_id", p.RemoteRequestID),
+				zap.Float64("expired_seconds_ago", s.wall()-p.ExpiryUnix))
+			return 0, false
+		}
 		if p.ReadbackTokens >= 0 && remote > p.ReadbackTokens {
 			// The prompt differs from the decode's tokens past this point
 			// (an edited history): KV beyond it was computed from other
@@ -174,6 +190,10 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 	}
 	return 0, false
 }
+
+// readbackMargin: a bidirectional pull is not started with less than this
+// left of the decode's TTL (vLLM declines a turn-2 READ at the same margin).
+const readbackMargin = 5.0
 
 // hasSlidingWindow reports whether a transfer group is a sliding
 // window (its remote block lists are clipped to the window).
@@ -327,7 +347,7 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 	}
 	delay := !blockIDs.Empty()
 	var remoteNumTokens int64
-	var expiry *float64
+	var expiry, expiryUnix *float64
 	if delay {
 		ttl := s.cfg.KVLeaseDuration
 		if isD {
@@ -335,6 +355,10 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 		}
 		exp := s.clock() + ttl
 		s.reqsNeedSend[reqID] = exp
+		if isD {
+			eu := s.wall() + ttl
+			expiryUnix = &eu
+		}
 		// vLLM sends the expiry only for a decode's blocks (bidirectional
 		// mode); gonixl also sends the prefill's, so that a gonixl decode can
 		// refuse KV whose lease lapsed before the READ completed instead of
@@ -359,6 +383,7 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 		PPSize:          s.cfg.PPSize,
 		RemoteNumTokens: remoteNumTokens,
 		RemoteExpiry:    expiry,
+		ExpiryUnix:      expiryUnix,
 		TransferMode:    "pull",
 	}
 	b, err := json.Marshal(out)
@@ -384,6 +409,9 @@ type outParams struct {
 	RemoteNumTokens int64    `json:"remote_num_tokens"`
 	RemoteExpiry    *float64 `json:"remote_blocks_expiry_time"`
 	TransferMode    string   `json:"transfer_mode"`
+	// ExpiryUnix (gonixl's addition, a decode's params only): the Unix time
+	// at which the decode frees the blocks (decoder_kv_blocks_ttl).
+	ExpiryUnix *float64 `json:"gonixl_expiry_unix,omitempty"`
 }
 
 // UpdateConnectorOutput stops heartbeats for requests whose KV arrived.

@@ -855,6 +855,17 @@ func TestReadbackPullsOnlyTheMatchedPrefix(t *testing.T) {
 	if _, err := ParseTransferParams([]byte(`{"do_remote_decode":true,"gonixl_readback_tokens":-1}`)); err == nil {
 		t.Error("a negative gonixl_readback_tokens was accepted")
 	}
+	// The decode's TTL (gonixl_expiry_unix, wall clock): blocks that are
+	// gone, or would be before a READ may be trusted (5 s), are not pulled.
+	s.wall = func() float64 { return 1_000_000 }
+	for _, c := range []struct {
+		expiry float64
+		want   int64
+	}{{999_990, 0}, {1_000_004, 0}, {1_000_006, 300}} {
+		if n, _ := s.GetNumNewMatchedTokens(params(fmt.Sprintf(`,"gonixl_expiry_unix":%v`, c.expiry)), 400, 0); n != c.want {
+			t.Errorf("decode blocks expiring at %v (now 1000000): matched %d, want %d", c.expiry, n, c.want)
+		}
+	}
 
 	more := map[string]any{"transfer_groups": []map[string]any{
 		{"kind": "full", "block_size": tBlockSize}, {"kind": "sliding_window", "sliding_window": 64, "block_size": tBlockSize}}}

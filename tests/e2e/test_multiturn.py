@@ -1,7 +1,9 @@
 """Bidirectional KV transfer end to end (run through tests/e2e/run_multiturn_test.sh).
 
-Two prefill vLLMs (no prefix caching) and one decode vLLM, all with
-GoNixlConnector and bidirectional_kv_xfer, behind gonixl-proxy --multiturn;
+Two prefill vLLMs (no prefix caching) and two decode vLLMs, all with
+GoNixlConnector and bidirectional_kv_xfer, behind gonixl-proxy --multiturn
+(round robin over each: a turn's prefill pulls from whichever decode served
+the previous turn, and its decode may be the other one);
 an aggregated vLLM gives the expected text of every turn for the same
 history. A turn's prompt is the previous prompt, its answer and the new
 message (tests/e2e/chat_template.jinja), so from turn 2 on the decode holds
@@ -17,7 +19,7 @@ prefills) must then equal, token for token, what the rules predict:
   vouches for (gonixl.digest: whole checkpoints of 256 tokens here);
 - a miss (first turn, no conversation_id, a streamed turn — vLLM 0.32 puts
   kv_transfer_params in non-streaming bodies only —, a conversation idle
-  past the proxy's cache TTL) computes the whole prompt.
+  past the decode's decoder_kv_blocks_ttl) computes the whole prompt.
 Every turn's text must equal the baseline's.
 """
 
@@ -40,14 +42,13 @@ ENV = os.environ.get
 PROXY = ENV("GONIXL_MT_PROXY")
 BASELINE = ENV("GONIXL_MT_BASELINE")
 PREFILLS = (ENV("GONIXL_MT_PREFILLS") or "").split()
-DECODE = ENV("GONIXL_MT_DECODE")
+DECODES = (ENV("GONIXL_MT_DECODES") or "").split()
 LOGS = ENV("GONIXL_MT_LOGS", "")
 MODEL = ENV("GONIXL_E2E_MODEL")
-TTL = float(ENV("GONIXL_MT_TTL", "30"))
-PROXY_TTL = TTL - 10
+TTL = float(ENV("GONIXL_MT_TTL", "40"))
 
 pytestmark = pytest.mark.skipif(
-    not (PROXY and BASELINE and len(PREFILLS) == 2 and DECODE),
+    not (PROXY and BASELINE and len(PREFILLS) == 2 and len(DECODES) == 2),
     reason="run through tests/e2e/run_multiturn_test.sh (it starts the servers)",
 )
 
@@ -255,12 +256,21 @@ def test_streamed_turns_are_correct():
 
 
 def test_idle_conversation_falls_back_to_a_full_prefill():
+    # The proxy still has the params (its cache TTL is longer here); the
+    # decode freed the blocks at its TTL, and the prefill sees it from the
+    # params' gonixl_expiry_unix and computes the prompt.
     before = prefill_sources()
-    turns = converse("conv-idle", [150, 80, 60], 500, idle_before={1: PROXY_TTL + 2})
+    idle = TTL + 3
+    turns = converse("conv-idle", [150, 80, 60], 500, idle_before={1: idle})
     check(
         turns,
         before,
         prefill_sources(),
-        f"idle {PROXY_TTL + 2:.0f} s before turn 2 (> proxy cache TTL {PROXY_TTL:.0f} s)",
+        f"idle {idle:.0f} s before turn 2 (> decoder_kv_blocks_ttl {TTL:.0f} s)",
     )
     assert [t.pulled > 0 for t in turns] == [False, False, True]
+    text = log("prefill0") + log("prefill1")
+    assert (
+        "blocks of this conversation expired (decoder_kv_blocks_ttl): computing the whole prompt"
+        in text
+    )
