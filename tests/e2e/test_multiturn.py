@@ -65,7 +65,11 @@ MAX_TOKENS = model_task.MAX_KEY_LEN + 2
 
 
 def chat(
-    url: str, messages: list[dict], conv: str | None = None, stream: bool = False
+    url: str,
+    messages: list[dict],
+    conv: str | None = None,
+    stream: bool = False,
+    rid: str | None = None,
 ) -> tuple[str, dict]:
     body: dict = {
         "model": MODEL,
@@ -81,7 +85,8 @@ def chat(
     req = urllib.request.Request(
         url + "/v1/chat/completions",
         data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
+        headers={"content-type": "application/json"}
+        | ({"x-request-id": rid} if rid else {}),
     )
     with urllib.request.urlopen(req, timeout=300) as r:
         if not stream:
@@ -183,7 +188,10 @@ def converse(
             matched = (pos // STEP) * STEP
         history.append({"role": "user", "content": u})
         want, usage = chat(BASELINE, history)
-        got, dusage = chat(PROXY, history, conv if send_id else None, stream)
+        # vLLM's request ids (prefill and decode) contain this X-Request-Id.
+        got, dusage = chat(
+            PROXY, history, conv if send_id else None, stream, rid=f"{conv}-t{k}-"
+        )
         prompt = int(usage["prompt_tokens"])
         t = Turn(
             conv,
@@ -381,19 +389,40 @@ def test_streamed_turns_are_correct():
 def test_idle_conversation_falls_back_to_a_full_prefill():
     # The proxy still has the params (its cache TTL is longer here); the
     # decode freed the blocks at its TTL, and the prefill sees it from the
-    # params' gonixl_expiry_unix and computes the prompt.
+    # params' gonixl_expiry_unix and computes the prompt. Before it, a
+    # two-turn conversation: its first turn's blocks are read back and must
+    # be freed on the prefill's notification, its second turn's are never
+    # read and must expire during the idle time.
     before = prefill_sources()
+    freed = converse("conv-free", [100, 60], 510)
     idle = TTL + 3
     turns = converse("conv-idle", [150, 80, 60], 500, idle_before={1: idle})
     check(
-        turns,
+        freed + turns,
         before,
         prefill_sources(),
         f"idle {idle:.0f} s before turn 2 (> decoder_kv_blocks_ttl {TTL:.0f} s)",
     )
-    assert [t.pulled > 0 for t in turns] == [False, False, True]
+    assert [t.pulled > 0 for t in freed + turns] == [False, True, False, False, True]
     text = log("prefill0") + log("prefill1")
     assert (
         "blocks of this conversation expired (decoder_kv_blocks_ttl): computing the whole prompt"
         in text
+    )
+    expired = [
+        line
+        for line in (log("decode0") + log("decode1")).splitlines()
+        if "Releasing expired KV blocks" in line
+    ]
+    held = {
+        rid: any(rid in line for line in expired)
+        for rid in ("conv-free-t0-", "conv-free-t1-", "conv-idle-t0-")
+    }
+    print(f"decode blocks released at the TTL (not read back): {held}")
+    assert held == {
+        "conv-free-t0-": False,
+        "conv-free-t1-": True,
+        "conv-idle-t0-": True,
+    }, (
+        "a turn read back must free the decode's blocks on the prefill's notification; unread turns expire"
     )
