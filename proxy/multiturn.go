@@ -132,6 +132,7 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 		h := ex.w.Header()
 		h.Set("Content-Type", "text/event-stream; charset=utf-8")
 		h.Set("Cache-Control", "no-cache")
+		ex.setServerTiming(h)
 		ex.w.WriteHeader(http.StatusOK)
 		ex.w.Flush()
 		for {
@@ -192,6 +193,7 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 		}
 		h := ex.w.Header()
 		h.Set("Content-Type", "application/json")
+		ex.setServerTiming(h)
 		ex.w.WriteHeader(resp.StatusCode)
 		_, _ = ex.w.Write(data)
 		return
@@ -231,6 +233,7 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 		}
 	}
 	p.m.decodeTotal.Observe(time.Since(start).Seconds())
+	ex.setServerTiming(ex.w.Header())
 	writeJSON(ex.w, http.StatusOK, p.assemble(ex, text.String(), finish, id, model, created))
 }
 

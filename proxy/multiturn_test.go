@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"reflect"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -370,5 +371,38 @@ func TestMultiturnClientParamsNotForwarded(t *testing.T) {
 		if forward != ok || (ok && !reflect.DeepEqual(got, client)) {
 			t.Errorf("forward=%v: decode kv_transfer_params %v (present %v)", forward, got, ok)
 		}
+	}
+}
+
+func TestServerTimingReportsThePrefillLeg(t *testing.T) {
+	// Every answered request, toy or multi-turn, streamed or not, tells the
+	// client how long the prefill leg took; the prefill here sleeps 30 ms.
+	slowPrefill := func(name string) func(http.ResponseWriter, *http.Request, received) {
+		h := prefillHandler(name)
+		return func(w http.ResponseWriter, r *http.Request, rec received) {
+			time.Sleep(30 * time.Millisecond)
+			h(w, r, rec)
+		}
+	}
+	for _, tc := range []struct {
+		name   string
+		mode   Mode
+		stream bool
+	}{{"toy", ModeToy, false}, {"toy stream", ModeToy, true}, {"multiturn", ModeMultiturn, false}, {"multiturn stream", ModeMultiturn, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			pf := newFake(t, "p0", slowPrefill("p0"))
+			df := newFake(t, "d0", decodeHandler("d0", tc.stream))
+			r := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Mode = tc.mode })
+			status, hdr, _ := r.post("/v1/completions", map[string]any{"prompt": "x", "stream": tc.stream, "conversation_id": "c"}, nil)
+			if status != 200 {
+				t.Fatalf("status %d", status)
+			}
+			st := hdr.Get("Server-Timing")
+			ms, ok := strings.CutPrefix(st, "prefill;dur=")
+			v, err := strconv.ParseFloat(ms, 64)
+			if !ok || err != nil || v < 30 || v > 5000 {
+				t.Errorf("Server-Timing %q: want prefill;dur=<ms> of at least the prefill's 30 ms", st)
+			}
+		})
 	}
 }

@@ -149,6 +149,18 @@ type exchange struct {
 	raw      []byte
 	base     *zap.Logger
 	lg       *zap.Logger // base with the request's fields, made on first use
+	// prefillDur is the prefill leg (request sent to its body read), once
+	// the prefill has answered: sent to the client as Server-Timing.
+	prefillDur time.Duration
+}
+
+// setServerTiming adds the prefill leg to the response headers
+// ("Server-Timing: prefill;dur=<ms>"), so that a client can tell the
+// prefill's share of its TTFT (gonixl-bench multiturn reports it per turn).
+func (ex *exchange) setServerTiming(h http.Header) {
+	if ex.prefillDur > 0 {
+		h.Set("Server-Timing", fmt.Sprintf("prefill;dur=%.1f", float64(ex.prefillDur)/float64(time.Millisecond)))
+	}
 }
 
 // logAt logs with the request's id and route, building the request logger
@@ -265,7 +277,8 @@ func (p *Proxy) prefill(ex *exchange, inst Instance, body []byte) (object, *upst
 	if err != nil {
 		return nil, fail(reasonOf(ctx, err), err)
 	}
-	p.m.prefillTotal.Observe(time.Since(start).Seconds())
+	ex.prefillDur = time.Since(start)
+	p.m.prefillTotal.Observe(ex.prefillDur.Seconds())
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		ue := fail("status", fmt.Errorf("HTTP %d", resp.StatusCode))
 		ue.status, ue.body, ue.ctype = resp.StatusCode, data, resp.Header.Get("Content-Type")

@@ -69,6 +69,7 @@ func (p *Proxy) relayDecode(ex *exchange, di Instance, body []byte) {
 	if cl := resp.Header.Get("Content-Length"); cl != "" {
 		h.Set("Content-Length", cl)
 	}
+	ex.setServerTiming(h)
 	ex.w.WriteHeader(resp.StatusCode)
 	// A body of unknown length is a stream: send the headers now and every
 	// piece as it arrives. A body of known length is written through the

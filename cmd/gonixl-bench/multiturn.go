@@ -47,6 +47,13 @@ type mtConfig struct {
 	metricsURL         string
 	jsonOut            string
 	apiKey             string
+	inputFile          string
+	tokenizerURL       string
+	maxTurns           int
+	lockstep           bool
+	prefillMetrics     []string
+	saveConversations  string
+	outputTokensSet    bool // --output-tokens given: overrides a workload's answer lengths
 }
 
 func parseMultiturnFlags(args []string, stderr io.Writer) (*mtConfig, error) {
@@ -69,8 +76,25 @@ func parseMultiturnFlags(args []string, stderr io.Writer) (*mtConfig, error) {
 	fs.Uint64Var(&c.seed, "seed", 0, "seed of the synthetic conversations")
 	fs.StringVar(&c.metricsURL, "metrics-url", "", "proxy metrics for the cache hit rate (default URL/metrics; \"none\" to skip)")
 	fs.StringVar(&c.jsonOut, "json", "", "also write the results as JSON to this file")
+	fs.StringVar(&c.inputFile, "input-file", "",
+		"workload file in the formats of vLLM's benchmark_serving_multi_turn.py: a generate_conversations object "+
+			"(generate_multi_turn.json style) or a list of {id, messages}; replaces --num-conversations, --turns and --prompt-tokens")
+	fs.StringVar(&c.tokenizerURL, "tokenizer-url", "", "vLLM server whose /tokenize and /detokenize serve the model's tokenizer, for --input-file (default --url)")
+	fs.IntVar(&c.maxTurns, "max-turns", 0, "send at most this many user turns of each conversation (0: all)")
+	fs.BoolVar(&c.lockstep, "lockstep", false,
+		"send every conversation's turn k (num-clients at a time) before any turn k+1, so that server counters can be read per turn")
+	prefillMetrics := fs.String("prefill-metrics", "",
+		"comma-separated /metrics URLs of the prefill instances: with --lockstep, the prompt tokens they computed, "+
+			"pulled and found cached are reported per turn (vLLM's vllm:prompt_tokens_by_source)")
+	fs.StringVar(&c.saveConversations, "save-conversations", "", "write the workload as a {id, messages} list (vLLM's benchmark reads it) and go on")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	fs.Visit(func(f *flag.Flag) { c.outputTokensSet = c.outputTokensSet || f.Name == "output-tokens" })
+	for _, u := range strings.Split(*prefillMetrics, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			c.prefillMetrics = append(c.prefillMetrics, u)
+		}
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
@@ -84,8 +108,16 @@ func parseMultiturnFlags(args []string, stderr io.Writer) (*mtConfig, error) {
 		return nil, fmt.Errorf("--api %q: want chat or completions", c.api)
 	case c.timeout <= 0:
 		return nil, errors.New("--timeout must be positive")
+	case c.maxTurns < 0:
+		return nil, errors.New("--max-turns must not be negative")
+	case len(c.prefillMetrics) > 0 && !c.lockstep:
+		return nil, errors.New("--prefill-metrics needs --lockstep (the counters are read between turns)")
 	}
 	c.url = strings.TrimRight(c.url, "/")
+	if c.tokenizerURL == "" {
+		c.tokenizerURL = c.url
+	}
+	c.tokenizerURL = strings.TrimRight(c.tokenizerURL, "/")
 	if c.metricsURL == "" {
 		c.metricsURL = c.url + "/metrics"
 	}
@@ -100,7 +132,9 @@ type mtTurnResult struct {
 	err          string
 	ttft, e2e    time.Duration
 	outputTokens int
-	usageTokens  bool // outputTokens came from the server's usage
+	usageTokens  bool          // outputTokens came from the server's usage
+	promptTokens int           // from the server's usage; 0 if not given
+	prefill      time.Duration // the proxy's prefill leg (Server-Timing); -1 if not given
 }
 
 type mtMessage struct {
@@ -143,25 +177,74 @@ type mtRunner struct {
 	client *http.Client
 }
 
+// mtConvState is a conversation in progress: its workload and the history
+// sent so far (user turns and the server's answers).
+type mtConvState struct {
+	idx     int
+	spec    *mtConversation
+	convID  string
+	history []mtMessage
+	failed  bool
+}
+
+func (m *mtRunner) newState(idx int, spec *mtConversation) *mtConvState {
+	st := &mtConvState{idx: idx, spec: spec, convID: fmt.Sprintf("gonixl-bench-%d-%s", m.cfg.seed, spec.id)}
+	if spec.system != "" {
+		st.history = append(st.history, mtMessage{Role: "system", Content: spec.system})
+	}
+	return st
+}
+
+// turns is how many user turns of a conversation are sent.
+func (m *mtRunner) turns(spec *mtConversation) int {
+	if m.cfg.maxTurns > 0 {
+		return min(len(spec.turns), m.cfg.maxTurns)
+	}
+	return len(spec.turns)
+}
+
+// playTurn sends one user turn and keeps the answer in the history; after a
+// failure the conversation stops (the rest would diverge from a real one).
+func (m *mtRunner) playTurn(ctx context.Context, st *mtConvState, turn int) mtTurnResult {
+	t := st.spec.turns[turn]
+	maxTokens := m.cfg.outputTokens
+	if t.maxTokens > 0 && !m.cfg.outputTokensSet {
+		maxTokens = t.maxTokens
+	}
+	st.history = append(st.history, mtMessage{Role: "user", Content: t.user})
+	res, answer := m.send(ctx, st.convID, st.history, maxTokens)
+	res.conv, res.turn = st.idx, turn
+	if res.ok {
+		st.history = append(st.history, mtMessage{Role: "assistant", Content: answer})
+	} else {
+		st.failed = true
+	}
+	return res
+}
+
 // runConversation plays one conversation's turns in order.
-func (m *mtRunner) runConversation(ctx context.Context, conv int, out chan<- mtTurnResult) {
-	r := rand.New(rand.NewPCG(m.cfg.seed, uint64(conv)))
-	convID := fmt.Sprintf("gonixl-bench-%d-%d", m.cfg.seed, conv)
-	var history []mtMessage
-	for turn := 0; turn < m.cfg.turns; turn++ {
-		history = append(history, mtMessage{Role: "user", Content: mtUserMessage(r, m.cfg.promptTokens)})
-		res, answer := m.send(ctx, convID, history)
-		res.conv, res.turn = conv, turn
-		out <- res
-		if !res.ok {
-			return // the rest of the conversation would diverge from a real one
-		}
-		history = append(history, mtMessage{Role: "assistant", Content: answer})
+func (m *mtRunner) runConversation(ctx context.Context, st *mtConvState, out chan<- mtTurnResult) {
+	for turn := 0; turn < m.turns(st.spec) && !st.failed; turn++ {
+		out <- m.playTurn(ctx, st, turn)
 	}
 }
 
-func (m *mtRunner) body(convID string, history []mtMessage) ([]byte, string) {
-	b := map[string]any{"max_tokens": m.cfg.outputTokens}
+// synthetic builds the flag-driven workload: random words from a fixed
+// vocabulary, one generator per conversation.
+func (m *mtRunner) synthetic() []mtConversation {
+	convs := make([]mtConversation, m.cfg.numConversations)
+	for c := range convs {
+		r := rand.New(rand.NewPCG(m.cfg.seed, uint64(c)))
+		convs[c].id = strconv.Itoa(c)
+		for t := 0; t < m.cfg.turns; t++ {
+			convs[c].turns = append(convs[c].turns, mtTurnSpec{user: mtUserMessage(r, m.cfg.promptTokens)})
+		}
+	}
+	return convs
+}
+
+func (m *mtRunner) body(convID string, history []mtMessage, maxTokens int) ([]byte, string) {
+	b := map[string]any{"max_tokens": maxTokens}
 	if m.cfg.model != "" {
 		b["model"] = m.cfg.model
 	}
@@ -204,6 +287,7 @@ type mtChunk struct {
 		} `json:"delta"`
 	} `json:"choices"`
 	Usage *struct {
+		PromptTokens     int `json:"prompt_tokens"`
 		CompletionTokens int `json:"completion_tokens"`
 	} `json:"usage"`
 }
@@ -218,8 +302,8 @@ func (c mtChunk) content() string {
 	return s.String()
 }
 
-func (m *mtRunner) send(ctx context.Context, convID string, history []mtMessage) (mtTurnResult, string) {
-	raw, path := m.body(convID, history)
+func (m *mtRunner) send(ctx context.Context, convID string, history []mtMessage, maxTokens int) (mtTurnResult, string) {
+	raw, path := m.body(convID, history, maxTokens)
 	ctx, cancel := context.WithTimeout(ctx, m.cfg.timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, m.cfg.url+path, bytes.NewReader(raw))
@@ -243,7 +327,7 @@ func (m *mtRunner) send(ctx context.Context, convID string, history []mtMessage)
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		return mtTurnResult{err: fmt.Sprintf("HTTP %d: %s", resp.StatusCode, bytes.TrimSpace(b))}, ""
 	}
-	res := mtTurnResult{}
+	res := mtTurnResult{prefill: mtServerTiming(resp.Header.Get("Server-Timing"), "prefill")}
 	var answer strings.Builder
 	chunks := 0
 	if !m.cfg.stream {
@@ -255,7 +339,7 @@ func (m *mtRunner) send(ctx context.Context, convID string, history []mtMessage)
 		res.ttft = res.e2e
 		answer.WriteString(c.content())
 		if c.Usage != nil {
-			res.outputTokens, res.usageTokens = c.Usage.CompletionTokens, true
+			res.outputTokens, res.usageTokens, res.promptTokens = c.Usage.CompletionTokens, true, c.Usage.PromptTokens
 		}
 	} else {
 		br := bufio.NewReader(resp.Body)
@@ -276,7 +360,7 @@ func (m *mtRunner) send(ctx context.Context, convID string, history []mtMessage)
 						answer.WriteString(s)
 					}
 					if c.Usage != nil {
-						res.outputTokens, res.usageTokens = c.Usage.CompletionTokens, true
+						res.outputTokens, res.usageTokens, res.promptTokens = c.Usage.CompletionTokens, true, c.Usage.PromptTokens
 					}
 				}
 			}
@@ -399,7 +483,106 @@ type mtReport struct {
 	CacheMisses     *float64       `json:"cache_misses,omitempty"`
 	CacheHitRate    *float64       `json:"cache_hit_rate,omitempty"`
 	CacheNote       string         `json:"cache_note,omitempty"`
+	PerTurn         []mtTurnStats  `json:"per_turn"`
 	Config          map[string]any `json:"config"`
+}
+
+// mtTurnStats is one turn index's measurements over all conversations.
+type mtTurnStats struct {
+	Turn     int       `json:"turn"` // 1-based
+	Requests int       `json:"requests"`
+	Failed   int       `json:"failed"`
+	TTFTms   mtLatency `json:"ttft_ms"`
+	E2Ems    mtLatency `json:"e2e_ms"`
+	// PrefillMs is the proxy's prefill leg (its Server-Timing header), when
+	// the proxy reports it.
+	PrefillMs *mtLatency `json:"prefill_ms,omitempty"`
+	// PromptTokens sums the server's usage.prompt_tokens.
+	PromptTokens int `json:"prompt_tokens"`
+	// Prefill* are deltas of vllm:prompt_tokens_by_source_total over the
+	// turn on the --prefill-metrics instances (with --lockstep): the tokens
+	// the prefills computed, pulled from another instance, and found in
+	// their own prefix cache.
+	PrefillComputed *float64 `json:"prefill_computed_tokens,omitempty"`
+	PrefillPulled   *float64 `json:"prefill_pulled_tokens,omitempty"`
+	PrefillCached   *float64 `json:"prefill_cached_tokens,omitempty"`
+}
+
+// mtServerTiming returns the named metric's dur from a Server-Timing header
+// ("prefill;dur=12.5, decode;dur=40"), or -1.
+func mtServerTiming(h, name string) time.Duration {
+	for _, part := range strings.Split(h, ",") {
+		fields := strings.Split(strings.TrimSpace(part), ";")
+		if len(fields) == 0 || strings.TrimSpace(fields[0]) != name {
+			continue
+		}
+		for _, f := range fields[1:] {
+			if v, ok := strings.CutPrefix(strings.TrimSpace(f), "dur="); ok {
+				if ms, err := strconv.ParseFloat(v, 64); err == nil && ms >= 0 {
+					return time.Duration(ms * float64(time.Millisecond))
+				}
+			}
+		}
+	}
+	return -1
+}
+
+// mtPromptSources sums vllm:prompt_tokens_by_source_total by its source label
+// over the given /metrics URLs.
+func mtPromptSources(ctx context.Context, client *http.Client, urls []string) (map[string]float64, error) {
+	const name = "vllm:prompt_tokens_by_source_total"
+	out := map[string]float64{}
+	for _, u := range urls {
+		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+		if err != nil {
+			cancel()
+			return nil, err
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			cancel()
+			return nil, err
+		}
+		found := false
+		sc := bufio.NewScanner(resp.Body)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			rest, ok := strings.CutPrefix(sc.Text(), name+"{")
+			if !ok {
+				continue
+			}
+			labels, value, ok := strings.Cut(rest, "}")
+			if !ok {
+				continue
+			}
+			src := ""
+			for _, l := range strings.Split(labels, ",") {
+				if v, ok := strings.CutPrefix(strings.TrimSpace(l), "source="); ok {
+					src = strings.Trim(v, `"`)
+				}
+			}
+			fields := strings.Fields(value)
+			if src == "" || len(fields) == 0 {
+				continue
+			}
+			if v, err := strconv.ParseFloat(fields[0], 64); err == nil {
+				out[src] += v
+				found = true
+			}
+		}
+		err = sc.Err()
+		status := resp.StatusCode
+		resp.Body.Close()
+		cancel()
+		if err != nil {
+			return nil, err
+		}
+		if status != http.StatusOK || !found {
+			return nil, fmt.Errorf("%s: HTTP %d, no %s samples (not a vLLM /metrics?)", u, status, name)
+		}
+	}
+	return out, nil
 }
 
 func runMultiturn(args []string, stdout, stderr io.Writer) error {
@@ -434,11 +617,36 @@ func benchMultiturn(ctx context.Context, cfg *mtConfig) (*mtReport, error) {
 	if cfg.model == "" {
 		cfg.model = mtDiscoverModel(ctx, client, cfg.url)
 	}
+	m := &mtRunner{cfg: cfg, client: client}
+	workload := m.synthetic()
+	if cfg.inputFile != "" {
+		var err error
+		tok := &mtHTTPTokenizer{client: client, base: cfg.tokenizerURL, model: cfg.model}
+		if workload, err = mtLoadWorkload(ctx, cfg.inputFile, tok, cfg.seed); err != nil {
+			return nil, err
+		}
+	}
+	if cfg.saveConversations != "" {
+		if err := mtSaveConversations(cfg.saveConversations, workload); err != nil {
+			return nil, err
+		}
+	}
+	maxTurns := 0
+	for i := range workload {
+		maxTurns = max(maxTurns, m.turns(&workload[i]))
+	}
 	rep := &mtReport{Config: map[string]any{
-		"url": cfg.url, "model": cfg.model, "num_clients": cfg.numClients, "num_conversations": cfg.numConversations,
-		"turns": cfg.turns, "prompt_tokens": cfg.promptTokens, "output_tokens": cfg.outputTokens,
+		"url": cfg.url, "model": cfg.model, "num_clients": cfg.numClients, "num_conversations": len(workload),
+		"turns": maxTurns, "prompt_tokens": cfg.promptTokens, "output_tokens": cfg.outputTokens,
 		"send_conversation_id": cfg.sendConversationID, "stream": cfg.stream, "api": cfg.api,
+		"input_file": cfg.inputFile, "lockstep": cfg.lockstep,
 	}}
+	if cfg.inputFile != "" {
+		delete(rep.Config, "prompt_tokens")
+		if !cfg.outputTokensSet {
+			rep.Config["output_tokens"] = "from the workload"
+		}
+	}
 	scrape := cfg.metricsURL != "none"
 	var h0, m0 float64
 	if scrape {
@@ -449,45 +657,97 @@ func benchMultiturn(ctx context.Context, cfg *mtConfig) (*mtReport, error) {
 		}
 	}
 
-	m := &mtRunner{cfg: cfg, client: client}
-	convs := make(chan int)
-	results := make(chan mtTurnResult, 64)
-	var wg sync.WaitGroup
-	start := time.Now()
-	for c := 0; c < cfg.numClients; c++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for conv := range convs {
-				m.runConversation(ctx, conv, results)
-			}
-		}()
+	states := make([]*mtConvState, len(workload))
+	for i := range workload {
+		states[i] = m.newState(i, &workload[i])
 	}
+	results := make(chan mtTurnResult, 64)
+	// sources[k] is the prefills' counters before turn k (and after the last).
+	var sources []map[string]float64
+	start := time.Now()
 	go func() {
-		for i := 0; i < cfg.numConversations; i++ {
-			convs <- i
+		defer close(results)
+		if !cfg.lockstep {
+			m.pool(ctx, states, func(st *mtConvState) { m.runConversation(ctx, st, results) })
+			return
 		}
-		close(convs)
-		wg.Wait()
-		close(results)
+		for turn := 0; turn < maxTurns; turn++ {
+			if len(cfg.prefillMetrics) > 0 {
+				src, err := mtPromptSources(ctx, client, cfg.prefillMetrics)
+				if err != nil {
+					results <- mtTurnResult{conv: -1, turn: turn, err: "prefill metrics: " + err.Error()}
+					return
+				}
+				sources = append(sources, src)
+			}
+			var due []*mtConvState
+			for _, st := range states {
+				if !st.failed && turn < m.turns(st.spec) {
+					due = append(due, st)
+				}
+			}
+			m.pool(ctx, due, func(st *mtConvState) { results <- m.playTurn(ctx, st, turn) })
+		}
+		if len(cfg.prefillMetrics) > 0 {
+			if src, err := mtPromptSources(ctx, client, cfg.prefillMetrics); err == nil {
+				sources = append(sources, src)
+			} else {
+				results <- mtTurnResult{conv: -1, turn: maxTurns, err: "prefill metrics: " + err.Error()}
+			}
+		}
 	}()
 	var ttfts, e2es []time.Duration
+	perTurn := make([]struct {
+		ttft, e2e, prefill []time.Duration
+		stats              mtTurnStats
+	}, maxTurns+1)
 	rep.TokensFromUsage = true
+	var benchErr error
 	for r := range results {
+		pt := &perTurn[min(r.turn, maxTurns)]
+		if r.conv < 0 { // a bench-side failure, not a request
+			benchErr = errors.Join(benchErr, errors.New(r.err))
+			continue
+		}
 		rep.Requests++
+		pt.stats.Requests++
 		if !r.ok {
 			rep.Failed++
+			pt.stats.Failed++
 			if len(rep.FirstErrors) < 5 {
-				rep.FirstErrors = append(rep.FirstErrors, fmt.Sprintf("conversation %d turn %d: %s", r.conv, r.turn, r.err))
+				rep.FirstErrors = append(rep.FirstErrors, fmt.Sprintf("conversation %d turn %d: %s", r.conv, r.turn+1, r.err))
 			}
 			continue
 		}
 		ttfts = append(ttfts, r.ttft)
 		e2es = append(e2es, r.e2e)
+		pt.ttft, pt.e2e = append(pt.ttft, r.ttft), append(pt.e2e, r.e2e)
+		if r.prefill >= 0 {
+			pt.prefill = append(pt.prefill, r.prefill)
+		}
+		pt.stats.PromptTokens += r.promptTokens
 		rep.OutputTokens += r.outputTokens
 		rep.TokensFromUsage = rep.TokensFromUsage && r.usageTokens
 	}
 	wall := time.Since(start)
+	if benchErr != nil {
+		return nil, benchErr
+	}
+	for k := 0; k < maxTurns; k++ {
+		pt := &perTurn[k]
+		st := pt.stats
+		st.Turn = k + 1
+		st.TTFTms, st.E2Ems = mtSummarize(pt.ttft), mtSummarize(pt.e2e)
+		if len(pt.prefill) > 0 {
+			l := mtSummarize(pt.prefill)
+			st.PrefillMs = &l
+		}
+		if k+1 < len(sources) {
+			d := func(src string) *float64 { v := sources[k+1][src] - sources[k][src]; return &v }
+			st.PrefillComputed, st.PrefillPulled, st.PrefillCached = d("local_compute"), d("external_kv_transfer"), d("local_cache_hit")
+		}
+		rep.PerTurn = append(rep.PerTurn, st)
+	}
 	rep.WallSeconds = wall.Seconds()
 	rep.TTFTms, rep.E2Ems = mtSummarize(ttfts), mtSummarize(e2es)
 	rep.OutputTokPerSec = float64(rep.OutputTokens) / wall.Seconds()
@@ -507,6 +767,30 @@ func benchMultiturn(ctx context.Context, cfg *mtConfig) (*mtReport, error) {
 		}
 	}
 	return rep, nil
+}
+
+// pool runs fn over the states with --num-clients workers and returns when
+// all are done.
+func (m *mtRunner) pool(ctx context.Context, states []*mtConvState, fn func(*mtConvState)) {
+	work := make(chan *mtConvState)
+	var wg sync.WaitGroup
+	for c := 0; c < min(m.cfg.numClients, len(states)); c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for st := range work {
+				fn(st)
+			}
+		}()
+	}
+	for _, st := range states {
+		select {
+		case work <- st:
+		case <-ctx.Done():
+		}
+	}
+	close(work)
+	wg.Wait()
 }
 
 // mtDiscoverModel returns the first model of GET /v1/models, or "" (the field
@@ -536,8 +820,12 @@ func mtDiscoverModel(ctx context.Context, client *http.Client, base string) stri
 
 func mtPrintReport(w io.Writer, r *mtReport) {
 	c := r.Config
-	fmt.Fprintf(w, "multiturn: %v clients, %v conversations x %v turns, %v prompt words/turn, max_tokens %v, api %v, stream %v, send-conversation-id %v\n",
-		c["num_clients"], c["num_conversations"], c["turns"], c["prompt_tokens"], c["output_tokens"], c["api"], c["stream"], c["send_conversation_id"])
+	work := fmt.Sprintf("%v prompt words/turn", c["prompt_tokens"])
+	if f, _ := c["input_file"].(string); f != "" {
+		work = "workload " + f
+	}
+	fmt.Fprintf(w, "multiturn: %v clients, %v conversations x up to %v turns, %s, max_tokens %v, api %v, stream %v, send-conversation-id %v, lockstep %v\n",
+		c["num_clients"], c["num_conversations"], c["turns"], work, c["output_tokens"], c["api"], c["stream"], c["send_conversation_id"], c["lockstep"])
 	fmt.Fprintf(w, "requests: %d ok, %d failed in %.2f s (%.2f req/s)\n", r.Requests-r.Failed, r.Failed, r.WallSeconds, r.RequestsPerSec)
 	for _, e := range r.FirstErrors {
 		fmt.Fprintf(w, "  error: %s\n", e)
@@ -560,4 +848,24 @@ func mtPrintReport(w io.Writer, r *mtReport) {
 	case r.CacheNote != "":
 		fmt.Fprintf(w, "conversation cache: %s\n", r.CacheNote)
 	}
+	if len(r.PerTurn) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "%4s %5s %10s %10s %10s %10s %9s %10s %10s %10s\n", "turn", "ok", "TTFT p50", "TTFT mean",
+		"E2E p50", "prefill50", "prompt", "P-compute", "P-pulled", "P-cached")
+	opt := func(v *float64) string {
+		if v == nil {
+			return "-"
+		}
+		return strconv.FormatFloat(*v, 'f', 0, 64)
+	}
+	for _, t := range r.PerTurn {
+		pre := "-"
+		if t.PrefillMs != nil {
+			pre = strconv.FormatFloat(t.PrefillMs.P50, 'f', 1, 64)
+		}
+		fmt.Fprintf(w, "%4d %5d %10.1f %10.1f %10.1f %10s %9d %10s %10s %10s\n", t.Turn, t.Requests-t.Failed, t.TTFTms.P50,
+			t.TTFTms.Mean, t.E2Ems.P50, pre, t.PromptTokens, opt(t.PrefillComputed), opt(t.PrefillPulled), opt(t.PrefillCached))
+	}
+	fmt.Fprintln(w, "(ms; prompt: usage.prompt_tokens summed; P-*: the prefills' vllm:prompt_tokens_by_source over the turn)")
 }
