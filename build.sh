@@ -287,6 +287,14 @@ cmd_fuzz() {
   GONIXL_FUZZ_EXAMPLES="${GONIXL_FUZZ_EXAMPLES:-5000}" "$PY" -m pytest -q tests/python/test_fuzz_scheduler.py
 }
 
+## bench-multiturn: bidirectional KV transfer on vs off, one multi-turn workload (docs/BENCHMARKS.md)
+cmd_bench_multiturn() {
+  cmd_setup
+  cmd_build
+  export GONIXL_LIB_PATH="$LIB"
+  bash bench/run_multiturn_bench.sh
+}
+
 ## demo: the main job (setup and build first)
 cmd_demo() {
   cmd_setup
@@ -325,6 +333,7 @@ main() {
     setup | build | check | test | demo | soak | fuzz | wheel | help) "cmd_$sub" "$@" ;;
     test-fast) cmd_test_fast "$@" ;;
     gpu-bundle) cmd_gpu_bundle "$@" ;;
+    bench-multiturn) cmd_bench_multiturn "$@" ;;
     *) cmd_help >&2; die "unknown subcommand: $sub" ;;
   esac
 }

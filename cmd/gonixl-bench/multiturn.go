@@ -448,8 +448,13 @@ func mtPercentile(sorted []time.Duration, p float64) time.Duration {
 	return sorted[max(0, min(i, len(sorted)-1))]
 }
 
+// mtLatency is a latency summary in milliseconds.
 type mtLatency struct {
-	P50, P90, P99, Mean, Max float64 // milliseconds
+	P50  float64 `json:"p50"`
+	P90  float64 `json:"p90"`
+	P99  float64 `json:"p99"`
+	Mean float64 `json:"mean"`
+	Max  float64 `json:"max"`
 }
 
 func mtSummarize(ds []time.Duration) mtLatency {
