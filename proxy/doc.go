@@ -28,6 +28,10 @@
 // Where it differs from the reference proxies, on purpose:
 //   - a client's own X-Request-Id is forwarded (the reference always makes a
 //     new UUID; one is made here when the client sends none);
+//   - every answer carries "Server-Timing: prefill;dur=<ms>", the prefill
+//     leg (request sent to its answer read), so that a client can tell the
+//     prefill's share of a response time (gonixl-bench multiturn reports it
+//     per turn);
 //   - without OPENAI_API_KEY no "Bearer None" is sent: the client's own
 //     Authorization header, if any, is forwarded;
 //   - the toy proxy answers with the decode instance's Content-Type
