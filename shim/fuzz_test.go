@@ -1002,15 +1002,19 @@ func FuzzRemoteAgentMetadata(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if err := checkRemoteLayout(local, tBlockSize, "NHD", "CPU_ATTN", mine, samePlan(), md); err != nil {
+		ratio, err := checkRemoteLayout(local, tBlockSize, "NHD", "CPU_ATTN", "head_major", mine, samePlan(), md)
+		if err != nil {
 			return
+		}
+		if ratio < 1 || md.BlockSize*int64(ratio) != tBlockSize {
+			t.Fatalf("accepted block_size %d (ratio %d) for a local block size %d", md.BlockSize, ratio, tBlockSize)
 		}
 		n := len(local.Regions)
 		if len(md.KVCachesBaseAddr) != n || len(md.BlockLens) != n || len(md.BlockStrides) != n || len(md.RegionNames) != n {
 			t.Fatalf("accepted %d/%d/%d/%d regions for %d local ones", len(md.KVCachesBaseAddr), len(md.BlockLens), len(md.BlockStrides), len(md.RegionNames), n)
 		}
 		for i, r := range local.Regions {
-			if md.BlockLens[i] <= 0 || uint64(md.BlockLens[i]) != r.Len || md.BlockStrides[i] < md.BlockLens[i] || md.RegionNames[i] != r.Layer {
+			if md.BlockLens[i] <= 0 || uint64(md.BlockLens[i])*uint64(ratio) != r.Len || md.BlockStrides[i] < md.BlockLens[i] || md.RegionNames[i] != r.Layer {
 				t.Fatalf("accepted region %d: len %d stride %d name %q for local %+v", i, md.BlockLens[i], md.BlockStrides[i], md.RegionNames[i], r)
 			}
 		}

@@ -115,9 +115,43 @@ func fillRegionIdentity(am *sidechannel.AgentMetadata, layout *KVLayout) {
 	am.RegionMembers = nil
 }
 
+// blockRatio checks a remote block size against this engine's and returns
+// local/remote (1 when equal).
+func blockRatio(local *KVLayout, blockSize int64, blockReshape string, plan tpPlan, md *sidechannel.AgentMetadata) (int, error) {
+	switch {
+	case md.BlockSize == blockSize:
+		return 1, nil
+	case md.BlockSize <= 0:
+		return 0, fmt.Errorf("advertises block_size %d", md.BlockSize)
+	case md.BlockSize > blockSize:
+		return 0, fmt.Errorf("has block_size %d, larger than this engine's %d: an engine reads only from engines of an equal or smaller block size (as vLLM's NixlConnector)", md.BlockSize, blockSize)
+	case blockSize%md.BlockSize != 0:
+		return 0, fmt.Errorf("has block_size %d, which does not divide this engine's %d", md.BlockSize, blockSize)
+	case blockReshape == "":
+		return 0, fmt.Errorf("has block_size %d, this engine %d, and this engine's KV-cache layout has no known token order to rearrange blocks of another size in", md.BlockSize, blockSize)
+	case plan.ratio != 1:
+		return 0, fmt.Errorf("has block_size %d and tp_size %d, this engine %d and %d: a different block size together with a different tp_size is not supported", md.BlockSize, plan.remoteTP, blockSize, plan.localTP)
+	case regionsMapped(local.Regions):
+		return 0, fmt.Errorf("has block_size %d, this engine %d: a different block size with KV-cache groups in separate regions is not supported", md.BlockSize, blockSize)
+	}
+	for _, r := range local.Regions {
+		if strings.HasPrefix(r.Kind, LayerKindSlidingWindow) {
+			return 0, fmt.Errorf("has block_size %d, this engine %d: a different block size with sliding-window layers (%s) is not supported", md.BlockSize, blockSize, r.Layer)
+		}
+	}
+	ratio := blockSize / md.BlockSize
+	for _, r := range local.Regions {
+		if r.Len%uint64(ratio) != 0 {
+			return 0, fmt.Errorf("has block_size %d, this engine %d, but this engine's block of %d bytes (%s) does not split in %d", md.BlockSize, blockSize, r.Len, r.Layer, ratio)
+		}
+	}
+	return int(ratio), nil
+}
+
 // checkRemoteLayout is the handshake's identity check: the remote regions
 // must be this worker's regions — same layers in the same order, same
-// per-block geometry, same groups, same cache layout and block size — and
+// per-block geometry, same groups, same cache layout and block size (or a
+// block size that divides this engine's, below) — and
 // anything gonixl cannot transfer is refused. The error names the first
 // difference. mine is this worker's geometry.
 //
@@ -125,10 +159,16 @@ func fillRegionIdentity(am *sidechannel.AgentMetadata, layout *KVLayout) {
 // are compared through it (a remote rank of another TP size holds more or
 // fewer heads per block), and a head-sliced read needs a layout whose
 // blocks keep their heads contiguous.
-func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend string, mine kvGeometry, plan tpPlan, md *sidechannel.AgentMetadata) error {
+//
+// A remote block size that divides this engine's is accepted where gonixl
+// can rearrange the blocks (blockReshape, from the Python connector): the
+// returned ratio (local block size / remote) is then above 1, and each
+// remote region's block length must be this engine's divided by it. A
+// larger remote block size is refused, as vLLM's NixlConnector refuses it.
+func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend, blockReshape string, mine kvGeometry, plan tpPlan, md *sidechannel.AgentMetadata) (int, error) {
 	n := len(local.Regions)
 	if md.RegionNames == nil {
-		return fmt.Errorf("sent no region_names, so which layer each of its %d regions holds cannot be checked", len(md.BlockLens))
+		return 0, fmt.Errorf("sent no region_names, so which layer each of its %d regions holds cannot be checked", len(md.BlockLens))
 	}
 	lens := map[string]int{"kv_caches_base_addr": len(md.KVCachesBaseAddr), "block_lens": len(md.BlockLens),
 		"block_strides": len(md.BlockStrides), "region_names": len(md.RegionNames)}
@@ -143,7 +183,7 @@ func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend s
 	}
 	for _, k := range slices.Sorted(maps.Keys(lens)) {
 		if lens[k] != len(md.RegionNames) {
-			return fmt.Errorf("advertises %d region_names but %d %s", len(md.RegionNames), lens[k], k)
+			return 0, fmt.Errorf("advertises %d region_names but %d %s", len(md.RegionNames), lens[k], k)
 		}
 	}
 	if len(md.RegionNames) != n {
@@ -154,79 +194,85 @@ func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend s
 				break
 			}
 		}
-		return fmt.Errorf("has %d KV-cache regions, this engine %d (different model, layer count or pipeline stage)%s", len(md.RegionNames), n, first)
+		return 0, fmt.Errorf("has %d KV-cache regions, this engine %d (different model, layer count or pipeline stage)%s", len(md.RegionNames), n, first)
 	}
-	if md.BlockSize != blockSize {
-		return fmt.Errorf("has block_size %d, this engine %d (heterogeneous block sizes are not supported)", md.BlockSize, blockSize)
+	ratio, err := blockRatio(local, blockSize, blockReshape, plan, md)
+	if err != nil {
+		return 0, err
 	}
 	if md.KVCacheLayout != kvLayout {
-		return fmt.Errorf("has KV-cache layout %q, this engine %q", md.KVCacheLayout, kvLayout)
+		return 0, fmt.Errorf("has KV-cache layout %q, this engine %q", md.KVCacheLayout, kvLayout)
 	}
 	if plan.headSliced() && !blockContiguous(kvLayout) {
-		return fmt.Errorf("runs tp_size %d against this engine's %d, which needs each block's KV heads contiguous, but the KV-cache layout is %q (use a block-contiguous layout such as LBHNC)",
+		return 0, fmt.Errorf("runs tp_size %d against this engine's %d, which needs each block's KV heads contiguous, but the KV-cache layout is %q (use a block-contiguous layout such as LBHNC)",
 			plan.remoteTP, plan.localTP, kvLayout)
 	}
 	if md.AttnBackendName != attnBackend {
-		return fmt.Errorf("uses attention backend %q, this engine %q (their KV-cache layouts differ)", md.AttnBackendName, attnBackend)
+		return 0, fmt.Errorf("uses attention backend %q, this engine %q (their KV-cache layouts differ)", md.AttnBackendName, attnBackend)
 	}
 	switch {
 	case md.PhysicalBlocksPerLogicalKVBlock > 1:
-		return fmt.Errorf("splits a logical block into %d kernel blocks (not supported)", md.PhysicalBlocksPerLogicalKVBlock)
+		return 0, fmt.Errorf("splits a logical block into %d kernel blocks (not supported)", md.PhysicalBlocksPerLogicalKVBlock)
 	case md.SSMSizes != [2]int64{}:
-		return fmt.Errorf("has Mamba/SSM state (ssm_sizes %v), which gonixl does not transfer", md.SSMSizes)
+		return 0, fmt.Errorf("has Mamba/SSM state (ssm_sizes %v), which gonixl does not transfer", md.SSMSizes)
 	case len(md.PackedMemberLayouts) > 0 || len(md.RegionMembers) > 0:
-		return fmt.Errorf("advertises packed or multi-member regions (a pipeline-parallel push layout), which gonixl does not read")
+		return 0, fmt.Errorf("advertises packed or multi-member regions (a pipeline-parallel push layout), which gonixl does not read")
 	case md.DCPSize > 1 || md.PCPSize > 1:
-		return fmt.Errorf("runs decode/prefill context parallelism (dcp %d, pcp %d), which gonixl does not support", md.DCPSize, md.PCPSize)
+		return 0, fmt.Errorf("runs decode/prefill context parallelism (dcp %d, pcp %d), which gonixl does not support", md.DCPSize, md.PCPSize)
 	case md.PLEBlockLen != nil:
-		return fmt.Errorf("has a PLE state region, which gonixl does not transfer")
+		return 0, fmt.Errorf("has a PLE state region, which gonixl does not transfer")
 	}
 	for i, r := range local.Regions {
 		name := md.RegionNames[i]
 		if name != r.Layer {
-			return fmt.Errorf("region %d holds layer %q, this engine's region %d holds %q (layer order or model differs)", i, name, i, r.Layer)
+			return 0, fmt.Errorf("region %d holds layer %q, this engine's region %d holds %q (layer order or model differs)", i, name, i, r.Layer)
 		}
 		want, err := plan.remoteBlockLen(r.Len)
 		if err != nil {
-			return fmt.Errorf("region %d (%s): %w", i, name, err)
+			return 0, fmt.Errorf("region %d (%s): %w", i, name, err)
 		}
+		want /= uint64(ratio)
 		if uint64(md.BlockLens[i]) != want || md.BlockLens[i] <= 0 {
-			if plan.ratio == 1 {
-				return fmt.Errorf("region %d (%s) has block length %d bytes, this engine %d (dtype, heads or head size differ)", i, name, md.BlockLens[i], r.Len)
+			if plan.ratio == 1 && ratio > 1 {
+				return 0, fmt.Errorf("region %d (%s) has block length %d bytes, where %d are expected for its block_size %d against this engine's %d bytes at block_size %d (dtype, heads or head size differ)",
+					i, name, md.BlockLens[i], want, md.BlockSize, r.Len, blockSize)
 			}
-			return fmt.Errorf("region %d (%s) has block length %d bytes, where %d are expected for its tp_size %d against this engine's %d bytes at tp_size %d (dtype, heads or head size differ)",
+			if plan.ratio == 1 {
+				return 0, fmt.Errorf("region %d (%s) has block length %d bytes, this engine %d (dtype, heads or head size differ)", i, name, md.BlockLens[i], r.Len)
+			}
+			return 0, fmt.Errorf("region %d (%s) has block length %d bytes, where %d are expected for its tp_size %d against this engine's %d bytes at tp_size %d (dtype, heads or head size differ)",
 				i, name, md.BlockLens[i], want, plan.remoteTP, r.Len, plan.localTP)
 		}
 		if md.BlockStrides[i] < md.BlockLens[i] {
-			return fmt.Errorf("region %d (%s): block stride %d < block length %d", i, name, md.BlockStrides[i], md.BlockLens[i])
+			return 0, fmt.Errorf("region %d (%s): block stride %d < block length %d", i, name, md.BlockStrides[i], md.BlockLens[i])
 		}
 		if md.RegionGroupIDs != nil && md.RegionGroupIDs[i] != int64(r.Group) {
-			return fmt.Errorf("region %d (%s) belongs to KV-cache group %d, this engine's to %d (hybrid-allocator groups differ)", i, name, md.RegionGroupIDs[i], r.Group)
+			return 0, fmt.Errorf("region %d (%s) belongs to KV-cache group %d, this engine's to %d (hybrid-allocator groups differ)", i, name, md.RegionGroupIDs[i], r.Group)
 		}
 		if md.RegionNumBlocks != nil && md.RegionNumBlocks[i] != md.NumBlocks {
-			return fmt.Errorf("region %d (%s) has %d blocks, the engine %d (per-region block counts are not supported)", i, name, md.RegionNumBlocks[i], md.NumBlocks)
+			return 0, fmt.Errorf("region %d (%s) has %d blocks, the engine %d (per-region block counts are not supported)", i, name, md.RegionNumBlocks[i], md.NumBlocks)
 		}
 	}
 	if md.Geometry != "" {
 		var theirs kvGeometry
 		if err := json.Unmarshal([]byte(md.Geometry), &theirs); err != nil {
-			return fmt.Errorf("sent unreadable gonixl_geometry: %w", err)
+			return 0, fmt.Errorf("sent unreadable gonixl_geometry: %w", err)
 		}
 		// The TP sizes are the plan's business (block lengths, above); the
 		// remote's own word must match the tp_size the plan was made for.
 		if theirs.TPSize != 0 && theirs.TPSize != plan.remoteTP {
-			return fmt.Errorf("runs tp_size %d, but the request's kv_transfer_params say %d", theirs.TPSize, plan.remoteTP)
+			return 0, fmt.Errorf("runs tp_size %d, but the request's kv_transfer_params say %d", theirs.TPSize, plan.remoteTP)
 		}
 		theirs.TPSize = mine.TPSize
 		if theirs.Direction != "" && mine.Direction != "" && theirs.Direction != mine.Direction {
-			return fmt.Errorf("has bidirectional_kv_xfer %v, this engine %v: set kv_connector_extra_config.bidirectional_kv_xfer the same on prefill and decode",
+			return 0, fmt.Errorf("has bidirectional_kv_xfer %v, this engine %v: set kv_connector_extra_config.bidirectional_kv_xfer the same on prefill and decode",
 				theirs.Direction == "bidirectional", mine.Direction == "bidirectional")
 		}
 		if d := firstGeometryDifference(theirs, mine); d != "" {
-			return fmt.Errorf("differs in %s", d)
+			return 0, fmt.Errorf("differs in %s", d)
 		}
 	}
-	return nil
+	return ratio, nil
 }
 
 // firstGeometryDifference names the first field in which two geometries

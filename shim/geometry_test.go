@@ -209,7 +209,8 @@ func TestHandshakeIdentityCheck(t *testing.T) {
 			mut(&m)
 		}
 		w := d.work
-		return checkRemoteLayout(w.layout, w.blockSize, w.kvLayout, w.attnBackend, w.geometryOf(w.layout), samePlan(), &m)
+		_, err := checkRemoteLayout(w.layout, w.blockSize, w.kvLayout, w.attnBackend, w.blockReshape, w.geometryOf(w.layout), samePlan(), &m)
+		return err
 	}
 	if err := check(nil); err != nil {
 		t.Fatalf("same geometry refused: %v", err)
@@ -252,6 +253,38 @@ func TestHandshakeIdentityCheck(t *testing.T) {
 				t.Fatalf("got %v, want an error containing %q", err, c.want)
 			}
 		})
+	}
+
+	// Block sizes (this engine's is 4): a smaller one that divides it is
+	// accepted only where the Python side can rearrange the blocks, and
+	// only with block lengths to match.
+	half := func(m *sidechannel.AgentMetadata) {
+		m.BlockSize = 2
+		for i := range m.BlockLens {
+			m.BlockLens[i] /= 2
+		}
+	}
+	d.work.blockReshape = ""
+	if err := check(half); err == nil || !strings.Contains(err.Error(), "no known token order") {
+		t.Fatalf("block size 2 without a reshape rule: %v", err)
+	}
+	d.work.blockReshape = "head_major"
+	for _, c := range []struct {
+		name string
+		mut  func(*sidechannel.AgentMetadata)
+		want string // "" accepted
+	}{
+		{"half the block size", half, ""},
+		{"half the block size, full block lengths", func(m *sidechannel.AgentMetadata) { m.BlockSize = 2 },
+			"where 256 are expected for its block_size 2 against this engine's 512 bytes at block_size 4"},
+		{"larger", func(m *sidechannel.AgentMetadata) { m.BlockSize = 8 }, "has block_size 8, larger than this engine's 4"},
+		{"not a divisor", func(m *sidechannel.AgentMetadata) { m.BlockSize = 3 }, "has block_size 3, which does not divide this engine's 4"},
+		{"zero", func(m *sidechannel.AgentMetadata) { m.BlockSize = 0 }, "advertises block_size 0"},
+	} {
+		err := check(c.mut)
+		if (c.want == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), c.want)) {
+			t.Errorf("%s: got %v, want %q", c.name, err, c.want)
+		}
 	}
 }
 

@@ -26,6 +26,9 @@ type recvState struct {
 	// stuck handle that happens before finished_recving (holdStuckLocked).
 	failedSent bool
 	remote     *remoteEngine
+	// reshape: the blocks read from an engine of a smaller block size,
+	// reported with finished_recving for the Python side to rearrange.
+	reshape []BlockReshape
 }
 
 type inflight struct {
@@ -133,6 +136,15 @@ func (w *Worker) readLocked(st *recvState) {
 		return
 	}
 	mk := w.xferMaker(local, remote, re.numBlocks)
+	if re.blockRatio > 1 {
+		mk = w.subBlockXferMaker(local, remote, re.numBlocks, re.blockRatio)
+		st.reshape = st.reshape[:0]
+		for g := range local {
+			if len(local[g]) > 0 {
+				st.reshape = append(st.reshape, BlockReshape{Ratio: re.blockRatio, Blocks: local[g], Covered: len(remote[g])})
+			}
+		}
+	}
 	read := map[string]bool{}
 	// One READ per remote rank read, each carrying its notification.
 	for _, rr := range re.ranks {
@@ -142,6 +154,9 @@ func (w *Worker) readLocked(st *recvState) {
 		localList := w.localList
 		if re.plan.nSlots > 1 {
 			localList = w.slotLists[re.plan.nSlots][rr.slot]
+		}
+		if re.blockRatio > 1 {
+			localList = w.subLists[re.blockRatio]
 		}
 		x, err := mk(localList, rr.list, notif)
 		if err != nil {
@@ -195,6 +210,9 @@ func (w *Worker) pairBlocks(rr *RecvReq, re *remoteEngine) (BlockIDs, BlockIDs, 
 	if local.Empty() {
 		return nil, nil, nil
 	}
+	if re.blockRatio > 1 {
+		return w.pairSubBlocks(rr, re)
+	}
 	groups := w.cfg.TransferGroups
 	ng := max(len(groups), 1)
 	if len(local) != ng {
@@ -243,6 +261,94 @@ func (w *Worker) pairBlocks(rr *RecvReq, re *remoteEngine) (BlockIDs, BlockIDs, 
 		return nil, nil, errors.New("descriptor ids exceed int32")
 	}
 	return local, outR, nil
+}
+
+// pairSubBlocks is pairBlocks for a remote engine whose block size is this
+// engine's divided by re.blockRatio (n): every local block to read takes n
+// remote blocks, one after another. The remote list covers the prompt in
+// remote blocks, so it must take exactly as many local blocks as this
+// engine holds for the prompt (cached + to read); the remote blocks of the
+// cached local blocks are skipped. The returned remote list of a group has
+// more than (len(local)-1)*n and at most len(local)*n entries: the tail of
+// the last local block may stay unwritten.
+func (w *Worker) pairSubBlocks(rr *RecvReq, re *remoteEngine) (BlockIDs, BlockIDs, error) {
+	local, remote := rr.LocalBlockIDs, rr.Remote.BlockIDs
+	n := int64(re.blockRatio)
+	ng := max(len(w.cfg.TransferGroups), 1)
+	switch {
+	case len(local) != ng:
+		return nil, nil, fmt.Errorf("%d local KV-cache groups in the step metadata, this engine has %d", len(local), ng)
+	case len(remote) != ng:
+		return nil, nil, fmt.Errorf("the remote engine sent block ids for %d KV-cache groups, this engine has %d", len(remote), ng)
+	case rr.Readback:
+		return nil, nil, errors.New("reading a conversation back from an engine of a smaller block size is not supported")
+	}
+	outR := make(BlockIDs, ng)
+	for g := range local {
+		l, r := local[g], remote[g]
+		if len(l) == 0 {
+			continue
+		}
+		rbs := w.blockSize / n
+		if t := rr.Remote.NumTokens; t > 0 && int64(len(r)) != (t+rbs-1)/rbs {
+			return nil, nil, fmt.Errorf("group %d: the remote engine sent %d block ids of %d tokens for a prompt of %d tokens (%d blocks): the kv_transfer_params do not belong to this prompt",
+				g, len(r), rbs, t, (t+rbs-1)/rbs)
+		}
+		held := (int64(len(r)) + n - 1) / n // local blocks the remote list fills
+		cached := held - int64(len(l))
+		if g < len(rr.LocalNumComputed) && rr.LocalNumComputed[g] != cached {
+			return nil, nil, fmt.Errorf("group %d: the remote engine sent %d block ids of %d tokens (%d blocks of %d here), but this prompt takes %d blocks here (%d cached locally + %d to read): the kv_transfer_params do not belong to this prompt",
+				g, len(r), rbs, held, w.blockSize, rr.LocalNumComputed[g]+int64(len(l)), rr.LocalNumComputed[g], len(l))
+		}
+		if cached < 0 {
+			return nil, nil, fmt.Errorf("group %d: %d local blocks but the remote engine sent only %d block ids of %d tokens", g, len(l), len(r), rbs)
+		}
+		r = r[cached*n:]
+		for _, b := range l {
+			if b < 0 || b >= w.layout.NumBlocks {
+				return nil, nil, fmt.Errorf("local block id %d out of range [0, %d)", b, w.layout.NumBlocks)
+			}
+		}
+		for _, b := range r {
+			if b < 0 || b >= re.numBlocks {
+				return nil, nil, fmt.Errorf("remote block id %d out of range [0, %d) of engine %s", b, re.numBlocks, re.id)
+			}
+		}
+		outR[g] = r
+	}
+	if int64(len(w.layout.Regions))*n*max(w.layout.NumBlocks, re.numBlocks) > 1<<31-1 {
+		return nil, nil, errors.New("descriptor ids exceed int32")
+	}
+	return local, outR, nil
+}
+
+// subBlockXferMaker returns how a READ from an engine of a block size n
+// times smaller is made: remote block k of a group's list lands in
+// sub-block k%n of local block k/n, in every region (the regions serve
+// every group: blockRatio refuses separate group regions). The local list
+// is w.subLists[n]. The descriptor pairs are built here in one pass and
+// handed over whole.
+func (w *Worker) subBlockXferMaker(local, remote BlockIDs, remoteNumBlocks int64, n int) func(l, r nixl.DescList, notif []byte) (nixl.Xfer, error) {
+	total := 0
+	for _, g := range remote {
+		total += len(g)
+	}
+	regions := int64(len(w.layout.Regions))
+	lidx := make([]int32, 0, total*int(regions))
+	ridx := make([]int32, 0, total*int(regions))
+	nb, k64 := w.layout.NumBlocks, int64(n)
+	for i := int64(0); i < regions; i++ {
+		for g := range remote {
+			for k, rb := range remote[g] {
+				b, j := local[g][k/n], int64(k%n)
+				lidx = append(lidx, int32((i*k64+j)*nb+b))
+				ridx = append(ridx, int32(i*remoteNumBlocks+rb))
+			}
+		}
+	}
+	return func(l, r nixl.DescList, notif []byte) (nixl.Xfer, error) {
+		return w.agent.MakeXfer(nixl.Read, l, lidx, r, ridx, notif)
+	}
 }
 
 // regionDescIDs lists the descriptor ids (region r, block b: r*numBlocks+b)
@@ -423,6 +529,11 @@ func (w *Worker) pollTransfersLocked() {
 		w.done.Recving = append(w.done.Recving, id)
 		if st.failed {
 			w.reportFailedLocked(st)
+		} else if len(st.reshape) > 0 {
+			if w.done.Reshape == nil {
+				w.done.Reshape = map[string][]BlockReshape{}
+			}
+			w.done.Reshape[id] = st.reshape
 		}
 	}
 }

@@ -29,6 +29,9 @@ type remoteEngine struct {
 	host      string        // side-channel address it was handshaken at
 	port      int
 	lastUsed  float64 // this worker's clock: last READ, notification, heartbeat or handshake (engine_ttl, evict.go)
+	// blockRatio is this engine's block size over the remote's (1: equal):
+	// above 1, each local block is read as that many remote blocks.
+	blockRatio int
 }
 
 // remoteRank is one remote TP rank this worker handshook with: its agent,
@@ -256,9 +259,14 @@ func (w *Worker) prepareRemote(engineID, host string, port int, plan tpPlan, res
 			return nil, fmt.Errorf("remote engine %s: tp_rank %d has %d blocks, tp_rank %d %d (the ranks of one engine must agree)", engineID, tp, md.NumBlocks, plan.targets[0], re.numBlocks)
 		}
 		re.numBlocks = md.NumBlocks
-		if err := checkRemoteLayout(w.layout, w.blockSize, w.kvLayout, w.attnBackend, mine, plan, md); err != nil {
+		ratio, err := checkRemoteLayout(w.layout, w.blockSize, w.kvLayout, w.attnBackend, w.blockReshape, mine, plan, md)
+		if err != nil {
 			return nil, fmt.Errorf("remote engine %s (pp_rank %d, tp_rank %d) cannot exchange KV with this engine: it %w", engineID, rank.PP, rank.TP, err)
 		}
+		if re.blockRatio != 0 && ratio != re.blockRatio {
+			return nil, fmt.Errorf("remote engine %s: its ranks advertise different block sizes", engineID)
+		}
+		re.blockRatio = ratio
 		n := int64(len(md.KVCachesBaseAddr)) * md.NumBlocks
 		if n > math.MaxInt32 || n > maxRemoteDescs(int64(len(w.layout.Regions))*w.layout.NumBlocks) {
 			return nil, fmt.Errorf("remote engine %s (tp_rank %d) advertises %d regions x %d blocks, more descriptors than this engine accepts from a peer (%d here)",
@@ -278,7 +286,7 @@ func (w *Worker) prepareRemote(engineID, host string, port int, plan tpPlan, res
 		regs := make([]Region, len(md.KVCachesBaseAddr))
 		for i := range regs {
 			off, n := plan.readSlice(w.layout.Regions[i].Len)
-			regs[i] = Region{Base: md.KVCachesBaseAddr[i] + off, Len: n, Stride: uint64(md.BlockStrides[i]), Group: w.layout.Regions[i].Group}
+			regs[i] = Region{Base: md.KVCachesBaseAddr[i] + off, Len: n / uint64(ratio), Stride: uint64(md.BlockStrides[i]), Group: w.layout.Regions[i].Group}
 		}
 		// The engine checks every descriptor against the regions the peer
 		// registered: a lying peer gets an error here, not a wild read.
@@ -292,7 +300,44 @@ func (w *Worker) prepareRemote(engineID, host string, port int, plan tpPlan, res
 			return nil, err
 		}
 	}
+	if re.blockRatio > 1 {
+		if err := w.ensureSubList(re.blockRatio); err != nil {
+			return nil, err
+		}
+	}
 	return re, nil
+}
+
+// ensureSubList prepares, once per ratio n, the local descriptor list that
+// cuts every block of every region into n equal sub-blocks, each the size
+// of a remote block: sub-block j of block b of region i is descriptor
+// (i*n + j)*NumBlocks + b. Called without the worker's lock.
+func (w *Worker) ensureSubList(n int) error {
+	w.mu.Lock()
+	_, ok := w.subLists[n]
+	w.mu.Unlock()
+	if ok {
+		return nil
+	}
+	regs := make([]Region, 0, len(w.layout.Regions)*n)
+	for _, r := range w.layout.Regions {
+		part := r.Len / uint64(n)
+		for j := 0; j < n; j++ {
+			regs = append(regs, Region{Base: r.Base + uint64(j)*part, Len: part, Stride: r.Stride, Group: r.Group})
+		}
+	}
+	l, err := nixl.PrepStrided(w.agent, "", w.layout.Mem, layoutRuns(regs, w.layout.NumBlocks, w.layout.DeviceID))
+	if err != nil {
+		return fmt.Errorf("prepare local descriptors in %d sub-blocks: %w", n, err)
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if _, ok := w.subLists[n]; ok || w.closed {
+		_ = l.Release()
+		return nil
+	}
+	w.subLists[n] = l
+	return nil
 }
 
 // ensureSlotLists prepares, once per slot count, the local descriptor

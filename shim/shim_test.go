@@ -198,6 +198,12 @@ func (sd *side) waitFinished(t *testing.T, what string, pred func(Finished) bool
 		all.Sending = append(all.Sending, f.Sending...)
 		all.Recving = append(all.Recving, f.Recving...)
 		all.Failed = append(all.Failed, f.Failed...)
+		for id, r := range f.Reshape {
+			if all.Reshape == nil {
+				all.Reshape = map[string][]BlockReshape{}
+			}
+			all.Reshape[id] = r
+		}
 		if pred(all) {
 			return all
 		}

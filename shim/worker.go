@@ -26,6 +26,12 @@ type WorkerInit struct {
 	BlockSize     int64         `json:"block_size"`
 	AttnBackend   string        `json:"attn_backend"`
 	KVCacheLayout string        `json:"kv_cache_layout"`
+	// BlockReshape says how the Python connector rearranges a block read
+	// from a prefill of a smaller block size ("head_major": each block is
+	// runs of tokens per head, permuted after the READ; "token_major": the
+	// sub-blocks land in token order already), or "" when it cannot: such a
+	// prefill is then refused at handshake.
+	BlockReshape string `json:"block_reshape,omitempty"`
 }
 
 // Finished is what get_finished reports for one step.
@@ -33,6 +39,22 @@ type Finished struct {
 	Sending []string `json:"finished_sending"`
 	Recving []string `json:"finished_recving"`
 	Failed  []string `json:"failed_recving"`
+	// Reshape lists, by request, the blocks of a finished READ from a
+	// prefill of a smaller block size: the Python connector puts their
+	// tokens in this engine's order before vLLM computes from them.
+	Reshape map[string][]BlockReshape `json:"reshape,omitempty"`
+}
+
+// BlockReshape is one request's blocks of one KV-cache group read at a
+// smaller remote block size:
+// each local block received Ratio remote blocks one after another (its
+// sub-blocks); Covered is how many sub-blocks of Blocks, in order, were
+// written (the tail of the last block past it holds no prompt token and
+// is zeroed, as vLLM does).
+type BlockReshape struct {
+	Ratio   int     `json:"ratio"`
+	Blocks  []int64 `json:"blocks"`
+	Covered int     `json:"covered"`
 }
 
 // Worker is the worker-side connector state of one rank: the transfer
@@ -60,6 +82,8 @@ type Worker struct {
 	layout         *KVLayout
 	localList      nixl.DescList
 	slotLists      map[int][]nixl.DescList // local blocks split in n slots (tpmap.go), by n
+	subLists       map[int]nixl.DescList   // local blocks as n sub-blocks each, by n (a smaller remote block size)
+	blockReshape   string                  // WorkerInit.BlockReshape
 	payload        []byte
 	compatHash     string
 	hs             *sidechannel.Client
@@ -107,6 +131,7 @@ func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
 		stats:      newStats(prom),
 		remotes:    map[string]*remoteEngine{},
 		slotLists:  map[int][]nixl.DescList{},
+		subLists:   map[int]nixl.DescList{},
 		handshakes: map[string]*handshakeState{},
 		recv:       map[string]*recvState{},
 		invalid:    map[int64]struct{}{},
@@ -232,6 +257,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	w.engine, w.agent, w.layout, w.localList = eng, agent, layout, list
 	w.payload, w.compatHash = payload, hash
 	w.blockSize, w.kvLayout, w.attnBackend = init.BlockSize, init.KVCacheLayout, init.AttnBackend
+	w.blockReshape = init.BlockReshape
 	ok = true
 	var total uint64
 	for _, s := range layout.Storage {
@@ -356,6 +382,9 @@ func (w *Worker) Close() error {
 		for _, l := range lists {
 			_ = l.Release()
 		}
+	}
+	for _, l := range w.subLists {
+		_ = l.Release()
 	}
 	if w.localList != nil {
 		_ = w.localList.Release()
