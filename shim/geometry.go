@@ -70,6 +70,8 @@ type kvGeometry struct {
 	// "oneway": both ends of a bidirectional deployment must have it
 	// (the decode keeps its blocks for the prefill's readback only then).
 	Direction string `json:"transfer_direction,omitempty"`
+	// KernelLayout: WorkerInit.KernelLayout (the CPU backend's ISA layout).
+	KernelLayout string `json:"kernel_layout,omitempty"`
 }
 
 func (w *Worker) geometryOf(layout *KVLayout) kvGeometry {
@@ -95,6 +97,7 @@ func (w *Worker) geometryOf(layout *KVLayout) kvGeometry {
 	for _, r := range layout.Regions {
 		g.RegionKinds = append(g.RegionKinds, r.Kind)
 	}
+	g.KernelLayout = w.kernelLayout
 	return g
 }
 
@@ -271,6 +274,14 @@ func checkRemoteLayout(local *KVLayout, blockSize int64, kvLayout, attnBackend, 
 		if d := firstGeometryDifference(theirs, mine); d != "" {
 			return 0, fmt.Errorf("differs in %s", d)
 		}
+		if ratio > 1 && mine.KernelLayout != "" && theirs.KernelLayout == "" {
+			return 0, fmt.Errorf("has block_size %d, this engine %d, and does not state its attention kernel's layout (this engine's: %s)", md.BlockSize, blockSize, mine.KernelLayout)
+		}
+	} else if ratio > 1 && mine.KernelLayout != "" {
+		// A stock (or older) peer: its kernel's layout inside a block,
+		// which on this backend depends on the block size and the host,
+		// is unknown.
+		return 0, fmt.Errorf("has block_size %d, this engine %d, and does not state its attention kernel's layout (this engine's: %s; a different block size needs gonixl on both sides here)", md.BlockSize, blockSize, mine.KernelLayout)
 	}
 	return ratio, nil
 }

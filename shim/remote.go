@@ -195,7 +195,7 @@ func (w *Worker) finishHandshake(engineID, host string, port int, re *remoteEngi
 		w.hsGuard.succeeded(key)
 		w.touchRemoteLocked(re)
 		w.log.Info("handshake done", zap.String("remote_engine_id", engineID), zap.Strings("remote_agents", re.agents()),
-			zap.String("tp_mapping", re.plan.String()),
+			zap.String("tp_mapping", re.plan.String()), zap.Int("block_ratio", re.blockRatio),
 			zap.Float64("clock_offset", re.offset), zap.Duration("rtt", re.rtt))
 		if ei, ok := w.agent.(nixl.EndpointDescriber); ok && !w.loggedLanes {
 			// Which transports UCX picked: a misconfiguration (TCP where

@@ -32,6 +32,11 @@ type WorkerInit struct {
 	// sub-blocks land in token order already), or "" when it cannot: such a
 	// prefill is then refused at handshake.
 	BlockReshape string `json:"block_reshape,omitempty"`
+	// KernelLayout is the attention kernel's layout inside a block where
+	// the backend name does not fix it (the CPU backend's ISA-dependent
+	// layouts: "cpu_attn:vec", "cpu_attn:amx"); "" elsewhere. Two gonixl
+	// peers that both state one must state the same.
+	KernelLayout string `json:"kernel_layout,omitempty"`
 }
 
 // Finished is what get_finished reports for one step.
@@ -84,6 +89,7 @@ type Worker struct {
 	slotLists      map[int][]nixl.DescList // local blocks split in n slots (tpmap.go), by n
 	subLists       map[int]nixl.DescList   // local blocks as n sub-blocks each, by n (a smaller remote block size)
 	blockReshape   string                  // WorkerInit.BlockReshape
+	kernelLayout   string                  // WorkerInit.KernelLayout
 	payload        []byte
 	compatHash     string
 	hs             *sidechannel.Client
@@ -234,6 +240,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	am.AttnBackendName = init.AttnBackend
 	am.PhysicalBlocksPerLogicalKVBlock = 1
 	fillRegionIdentity(am, layout)
+	w.kernelLayout = init.KernelLayout // geometryOf states it
 	geom, err := json.Marshal(w.geometryOf(layout))
 	if err != nil {
 		return fmt.Errorf("kv geometry: %w", err)

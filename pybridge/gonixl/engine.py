@@ -201,15 +201,20 @@ class Worker:
         block_size: int,
         attn_backend: str = "",
         kv_cache_layout: str = "",
+        block_reshape: str = "",
     ) -> bytes:
         """Registers the KV caches (layers from :func:`layer_descriptions`)
-        and returns the handshake payload the scheduler serves."""
+        and returns the handshake payload the scheduler serves.
+        block_reshape is :attr:`BlockReshaper.mode` when the caller puts
+        blocks read from a prefill of a smaller block size in order (see
+        get_finished's "reshape"); "" refuses such prefills."""
         init = {
             "layers": layers,
             "num_blocks": num_blocks,
             "block_size": block_size,
             "attn_backend": attn_backend,
             "kv_cache_layout": kv_cache_layout,
+            "block_reshape": block_reshape,
         }
         j = json.dumps(init).encode()
         _lib.call("gonixl_worker_register_kv_caches", self.handle, j, len(j))
@@ -303,3 +308,133 @@ class HostStaging:
     def load_to_device(self, block_ids: Sequence[int]) -> None:
         """Host mirror -> device, for the given blocks of every layer."""
         self._copy(self.host_caches, self.device_caches, block_ids)
+
+
+class BlockReshaper:
+    """Puts blocks read from a prefill of a smaller block size in this
+    engine's token order (vLLM's block_size_ratio post-processing).
+
+    The library reads remote blocks of ``block_size / ratio`` tokens one
+    after another into each local block (its sub-blocks). A block is a
+    sequence of segments, each ``[runs, tokens, elements]`` in memory order:
+    one segment of one run for a token-major block (NHD, MLA), one run per
+    head for a head-major one (HND), and for the CPU attention backend's
+    vec kernels one segment per head for K (``[head_size, tokens]``:
+    column-major, a run per head dimension of one element a token) and one
+    for V (``[tokens, head_size]``). A sub-block has the same segments with
+    fewer tokens, so every element of the local block is found in one
+    sub-block: the permutation is computed once per (block length, ratio)
+    and applied as one gather per layer. Token positions past what the READ
+    wrote (the end of the prompt in the last block) are zeroed, as vLLM
+    does.
+
+    ``kind`` is "cpu_vec", "head_major", "token_major", or "" when this
+    layout has no known token order (the library then refuses a prefill of
+    another block size at handshake); :attr:`mode` is ``kind`` unless the
+    tensors do not fit it."""
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, Any],
+        num_blocks: int,
+        block_size: int,
+        head_size: int,
+        kind: str,
+        skip: Optional[set[str]] = None,
+    ):
+        self.block_size = block_size
+        self.head_size = head_size
+        self.mode = kind
+        self.views: list[Any] = []  # blocks x elements, in memory order
+        self._perm: dict[tuple[int, int], tuple[Any, Any]] = {}
+        if not kind:
+            return
+        seen: set[int] = set()
+        for name, t in kv_caches.items():
+            if skip and name in skip:
+                continue
+            d = block_dim(t.shape, num_blocks)
+            for idx in _product([range(n) for n in t.shape[:d]]):
+                sub = t[idx] if idx else t
+                if sub.data_ptr() in seen:
+                    continue
+                seen.add(sub.data_ptr())
+                inner = sub[0].numel()
+                if not _dense(sub[0]) or self._segments(inner) is None:
+                    self.mode = ""
+                    self.views = []
+                    return
+                self.views.append(sub.as_strided((num_blocks, inner), (sub.stride(0), 1)))
+
+    def _segments(self, inner: int) -> Optional[list[tuple[int, int]]]:
+        """The block's segments as (runs, elements a token), or None."""
+        bs, hd = self.block_size, self.head_size
+        if self.mode == "token_major":
+            return [(1, inner // bs)] if inner % bs == 0 else None
+        if self.mode == "head_major":
+            return [(inner // (bs * hd), hd)] if hd and inner % (bs * hd) == 0 else None
+        if self.mode == "cpu_vec":
+            per_head = 2 * bs * hd
+            return [(hd, 1), (1, hd)] * (inner // per_head) if hd and inner % per_head == 0 else None
+        return None
+
+    def _permutation(self, inner: int, ratio: int) -> tuple[Any, Any]:
+        """(src, token): element p of a local block comes from element src[p]
+        of the received bytes, and holds token position token[p]."""
+        key = (inner, ratio)
+        if key not in self._perm:
+            import torch
+
+            bs, sub = self.block_size, self.block_size // ratio
+            src, tok = [], []
+            off = 0
+            for runs, elems in self._segments(inner) or []:
+                a = torch.arange(runs).view(runs, 1, 1)
+                t = torch.arange(bs).view(1, bs, 1)
+                e = torch.arange(elems).view(1, 1, elems)
+                j, t2 = t // sub, t % sub
+                q = j * (inner // ratio) + off // ratio + (a * sub + t2) * elems + e
+                src.append(q.reshape(-1))
+                tok.append(t.expand(runs, bs, elems).reshape(-1))
+                off += runs * bs * elems
+            self._perm[key] = (torch.cat(src), torch.cat(tok))
+        return self._perm[key]
+
+    def apply(self, entries: Sequence[Mapping[str, Any]]) -> None:
+        """entries: get_finished's "reshape" list of one request: per KV-cache
+        group, {"ratio", "blocks", "covered"}."""
+        import torch
+
+        for e in entries:
+            ratio, blocks, covered = int(e["ratio"]), list(e["blocks"]), int(e["covered"])
+            if ratio <= 1 or not blocks:
+                continue
+            full, part = divmod(covered, ratio)
+            for view in self.views:
+                src, tok = self._permutation(view.shape[1], ratio)
+                src, tok = src.to(view.device), tok.to(view.device)
+                idx = torch.tensor(blocks, dtype=torch.long, device=view.device)
+                x = view.index_select(0, idx)[:, src]
+                if full < len(blocks):
+                    # Past the last sub-block written: no prompt token.
+                    x[full, tok >= part * (self.block_size // ratio)] = 0
+                    x[full + 1 :] = 0
+                view.index_copy_(0, idx, x)
+
+
+def _product(ranges: Sequence[range]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [o + (i,) for o in out for i in r]
+    return out
+
+
+def _dense(t: Any) -> bool:
+    """Whether t's elements form one dense run (in any dimension order)."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+    want = 1
+    for s, n in dims:
+        if s != want:
+            return False
+        want *= n
+    return True

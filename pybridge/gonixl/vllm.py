@@ -50,7 +50,7 @@ from vllm.logger import init_logger
 
 from . import _lib, errors
 from .digest import READBACK_DIGEST_KEY, READBACK_TOKENS_KEY, DigestError, matched_tokens, token_digest
-from .engine import HostStaging, flatten_groups, layer_descriptions
+from .engine import BlockReshaper, HostStaging, flatten_groups, layer_descriptions
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -283,6 +283,28 @@ def _config_json(vllm_config: VllmConfig, role: str, kv_cache_config: Optional["
     if role == "worker":
         cfg["compat_factors"] = _compat_factors(vllm_config)
     return json.dumps(cfg, default=_json_default).encode()
+
+
+def _block_kind(vllm_config: VllmConfig, backend: str, layout: Any) -> tuple[str, str]:
+    """How this engine's KV blocks are laid out inside: the BlockReshaper
+    kind ("" when not known) and, for the CPU backend, the kernel layout,
+    which depends on the ISA vLLM picks for the dtype, block size and host
+    (the handshake refuses a peer of another)."""
+    if backend == "CPU_ATTN":
+        from vllm.v1.attention.backends import cpu_attn
+
+        mc = vllm_config.model_config
+        isa = cpu_attn._get_attn_isa(
+            mc.dtype, vllm_config.cache_config.block_size, mc.get_head_size(), vllm_config.cache_config.cache_dtype
+        )
+        # vec16 writes the cache as vec does: K column-major, V row-major.
+        family = "vec" if isa in ("vec", "vec16") else isa
+        return ("cpu_vec" if family == "vec" else ""), f"cpu_attn:{family}"
+    if layout.is_block_contiguous:
+        return "head_major", ""
+    if tuple(layout.value[-3:]) == (3, 2, 4):  # tokens outside heads: NHD
+        return "token_major", ""
+    return "", ""
 
 
 def _tp_rank(role: str) -> int:
@@ -632,18 +654,35 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # Every layer goes to the library with its KV-cache group and kind;
         # the library puts the regions in vLLM's NixlConnector order (model
         # layer order, shared tensors once) and skips layers without a spec.
+        specs = _layer_specs(self.kv_cache_config)
+        backends = get_current_attn_backends(self._vllm_config)
+        backend = backends[0].get_name() if backends else ""
+        layout = self._vllm_config.cache_config.get_resolved_kv_cache_layout()
+        # Blocks read from a prefill of a smaller block size are put in this
+        # engine's token order on the device caches (after host staging's
+        # copy, if any).
+        kind, kernel = _block_kind(self._vllm_config, backend, layout)
+        self._reshaper = BlockReshaper(
+            kv_caches,
+            self.kv_cache_config.num_blocks,
+            self._vllm_config.cache_config.block_size,
+            self._vllm_config.model_config.get_head_size(),
+            kind,
+            skip={n for n in kv_caches if n not in specs},
+        )
         if self._staging:
             # The engine registers and moves pinned host mirrors.
             self._host = HostStaging(kv_caches, self.kv_cache_config.num_blocks)
             kv_caches = self._host.host_caches
-        layers = layer_descriptions(kv_caches, _layer_specs(self.kv_cache_config))
-        backends = get_current_attn_backends(self._vllm_config)
+        layers = layer_descriptions(kv_caches, specs)
         init = {
             "layers": layers,
             "num_blocks": self.kv_cache_config.num_blocks,
             "block_size": self._vllm_config.cache_config.block_size,
-            "attn_backend": backends[0].get_name() if backends else "",
-            "kv_cache_layout": self._vllm_config.cache_config.get_resolved_kv_cache_layout().name,
+            "attn_backend": backend,
+            "kv_cache_layout": layout.name,
+            "block_reshape": self._reshaper.mode,
+            "kernel_layout": kernel,
         }
         j = json.dumps(init).encode()
         _lib.call("gonixl_worker_register_kv_caches", self._worker, j, len(j))
@@ -685,6 +724,10 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                 blocks = self._recv_blocks.pop(req, None)
                 if blocks:
                     self._host.load_to_device(blocks)  # before vLLM computes from them
+        for entries in r.get("reshape", {}).values():
+            # Read from a prefill of a smaller block size: in token order
+            # before vLLM computes from them.
+            self._reshaper.apply(entries)
         return KVConnectorTransferResults(
             finished_sending=set(r["finished_sending"]),
             finished_recving=set(r["finished_recving"]),

@@ -7,7 +7,10 @@
 # Every process started here is stopped on exit, also on failure (lib.sh).
 # Environment knobs: GONIXL_E2E_LOGS (log folder), GONIXL_E2E_TIMEOUT
 # (seconds to wait for the servers, default 600), GONIXL_E2E_ENGINE
-# (transfer_engine: ucx, nixl or auto; default ucx), GONIXL_E2E_MODEL.
+# (transfer_engine: ucx, nixl or auto; default ucx), GONIXL_E2E_MODEL,
+# GONIXL_E2E_DECODE_BLOCK_SIZE (the decode's --block-size, a multiple of the
+# prefill's 32: the decode then reads each of its blocks as several of the
+# prefill's).
 set -euo pipefail
 
 E2E_NAME=run_accuracy_test
@@ -28,7 +31,10 @@ P_SIDE=$(free_port); D_SIDE=$(free_port)
 # (progress_thread_delay_us, docs/ENVIRONMENT.md).
 ENGINE="${GONIXL_E2E_ENGINE:-ucx}"
 start_vllm prefill "$P_PORT" "$P_SIDE" "$(gonixl_kv_config kv_producer "$ENGINE")"
+SAVED=("${COMMON[@]}")
+[ -n "${GONIXL_E2E_DECODE_BLOCK_SIZE:-}" ] && COMMON+=(--block-size "$GONIXL_E2E_DECODE_BLOCK_SIZE")
 start_vllm decode "$D_PORT" "$D_SIDE" "$(gonixl_kv_config kv_consumer "$ENGINE")"
+COMMON=("${SAVED[@]}")
 start_vllm baseline "$A_PORT"
 start_proxy proxy "$X_PORT" "$P_PORT" "$D_PORT"
 

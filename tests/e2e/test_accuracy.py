@@ -135,3 +135,15 @@ def test_transfer_engine_used(examples, runs):
         assert engines, f"no 'transfer engine selected' line in {name}"
         if want != "auto":
             assert set(engines) == {want}, f"{name}: engines {engines}, want {want}"
+
+
+@pytest.mark.skipif(not os.environ.get("GONIXL_E2E_DECODE_BLOCK_SIZE"), reason="runs with GONIXL_E2E_DECODE_BLOCK_SIZE only")
+def test_decode_read_smaller_prefill_blocks(examples, runs):
+    # The decode's block size is a multiple of the prefill's: its handshake
+    # must have agreed on that ratio (else it read nothing of another size,
+    # and the token-exact outputs above would prove less).
+    want = int(os.environ["GONIXL_E2E_DECODE_BLOCK_SIZE"]) // 32
+    with open(DECODE_LOG, errors="replace") as f:
+        ratios = re.findall(r'handshake done\s+\{.*?"block_ratio": (\d+)', f.read())
+    print("decode handshakes, block_ratio:", ratios)
+    assert ratios and set(ratios) == {str(want)}, f"block ratios {ratios}, want {want}"

@@ -88,7 +88,7 @@ def model_config() -> ModelConfig:
     return _model_config
 
 
-def make_vllm_config(kv_role: str, engine_id: str, extra: dict[str, Any]) -> VllmConfig:
+def make_vllm_config(kv_role: str, engine_id: str, extra: dict[str, Any], block_size: int = BLOCK_SIZE) -> VllmConfig:
     """A VllmConfig as `vllm serve --model <fixture> --dtype float32
     --block-size 32 --kv-transfer-config {...GoNixlConnector...}` builds it."""
     ktc = KVTransferConfig(
@@ -100,7 +100,7 @@ def make_vllm_config(kv_role: str, engine_id: str, extra: dict[str, Any]) -> Vll
     )
     return VllmConfig(
         model_config=copy.deepcopy(model_config()),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        cache_config=CacheConfig(block_size=block_size),
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
             max_num_batched_tokens=MAX_MODEL_LEN,
@@ -119,7 +119,10 @@ def layer_names(vc: VllmConfig) -> list[str]:
 def attention_spec(vc: VllmConfig) -> FullAttentionSpec:
     mc = vc.model_config
     return FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=mc.get_total_num_kv_heads(), head_size=mc.get_head_size(), dtype=mc.dtype
+        block_size=vc.cache_config.block_size,
+        num_kv_heads=mc.get_total_num_kv_heads(),
+        head_size=mc.get_head_size(),
+        dtype=mc.dtype,
     )
 
 
@@ -177,11 +180,13 @@ class Engine:
         num_blocks: int,
         extra: Optional[dict[str, Any]] = None,
         kv_shape: str = "vllm_cpu",
+        block_size: int = BLOCK_SIZE,
     ):
         self.engine_id = engine_id
+        self.block_size = block_size
         self.kv_role = kv_role
         self.port = free_port()
-        self.vllm_config = make_vllm_config(kv_role, engine_id, extra or {"transfer_engine": "ucx"})
+        self.vllm_config = make_vllm_config(kv_role, engine_id, extra or {"transfer_engine": "ucx"}, block_size)
         self.num_blocks = num_blocks
         self.kv_shape = kv_shape
         mc = self.vllm_config.model_config
@@ -202,7 +207,7 @@ class Engine:
         else:
             # FlashAttention's classic shape: K and V planes outside the block
             # dimension; one tensor per layer.
-            shape = (2, num_blocks, BLOCK_SIZE, mc.get_total_num_kv_heads(), mc.get_head_size())
+            shape = (2, num_blocks, block_size, mc.get_total_num_kv_heads(), mc.get_head_size())
             self.kv_caches = {n: torch.zeros(shape, dtype=mc.dtype) for n in layer_names(self.vllm_config)}
         # Block 0 is vLLM's null block: never handed to a request.
         self.free_blocks = list(range(1, num_blocks))
@@ -275,11 +280,10 @@ class Engine:
     def free(self, ids: list[int]) -> None:
         self.free_blocks.extend(ids)
 
-    @staticmethod
-    def cached_blocks(blocks: list[KVCacheBlock], tag: bytes) -> list[KVCacheBlock]:
+    def cached_blocks(self, blocks: list[KVCacheBlock], tag: bytes) -> list[KVCacheBlock]:
         """Mark blocks as prefix-cache hits (full blocks with a hash)."""
         for i, b in enumerate(blocks):
-            b.set_block_hash(make_block_hash_with_group_id(BlockHash(tag + b"-%d" % i), 0), (i + 1) * BLOCK_SIZE)
+            b.set_block_hash(make_block_hash_with_group_id(BlockHash(tag + b"-%d" % i), 0), (i + 1) * self.block_size)
         return blocks
 
     # ------------------------------------------------------------------
@@ -427,7 +431,7 @@ def prefill(p: Engine, req_id: str, num_tokens: int, seed: float) -> Prefilled:
     p.add_request(req)
     n_ext, load_async = p.sched.get_num_new_matched_tokens(req, 0)
     assert (n_ext, load_async) == (0, False), (n_ext, load_async)
-    blocks = p.alloc(cdiv(num_tokens, BLOCK_SIZE))
+    blocks = p.alloc(cdiv(num_tokens, p.block_size))
     p.sched.update_state_after_alloc(req, KVCacheBlocks((blocks,)), 0)
     req.status = RequestStatus.RUNNING
     ids = [b.block_id for b in blocks]
@@ -468,9 +472,9 @@ def schedule_decode(
         req = d.request(req_id, num_tokens, copy.deepcopy(params), max_tokens=4)
         d.add_request(req)
     hit = d.cached_blocks(d.alloc(local_hit_blocks), req_id.encode()) if local_hit_blocks else []
-    num_computed = min(local_hit_blocks * BLOCK_SIZE, num_tokens)
+    num_computed = min(local_hit_blocks * d.block_size, num_tokens)
     n_ext, load_async = d.sched.get_num_new_matched_tokens(req, num_computed)
-    new = d.alloc(cdiv(num_tokens, BLOCK_SIZE) - len(hit)) if n_ext > 0 else []
+    new = d.alloc(cdiv(num_tokens, d.block_size) - len(hit)) if n_ext > 0 else []
     d.sched.update_state_after_alloc(req, KVCacheBlocks((hit + new,)), n_ext)
     if load_async:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS

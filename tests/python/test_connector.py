@@ -1008,3 +1008,114 @@ def test_host_staging_moves_the_blocks_through_host_mirrors(connector_cls, dist_
     finally:
         for e in engines:
             e.shutdown()
+
+
+# ----------------------------------------------------------------------
+# A prefill of a smaller block size (vLLM's block_size_ratio)
+# ----------------------------------------------------------------------
+
+
+def _tokens_of(t: torch.Tensor, b: int) -> torch.Tensor:
+    """Block b of a vLLM CPU cache ([blocks, heads, block_size, 2 *
+    head_size], the vec kernels' layout: per head K column-major as
+    [head_size, block_size], then V row-major as [block_size, head_size])
+    as [token, head, K/V, dim], a copy."""
+    _, heads, bs, two_d = t.shape
+    d = two_d // 2
+    blk = t[b].reshape(heads, 2, bs * d)
+    k = blk[:, 0].reshape(heads, d, bs).permute(2, 0, 1)
+    v = blk[:, 1].reshape(heads, bs, d).permute(1, 0, 2)
+    return torch.stack([k, v], dim=2).clone()
+
+
+def _set_tokens(t: torch.Tensor, b: int, x: torch.Tensor) -> None:
+    """Writes x ([token, head, K/V, dim]) into block b as _tokens_of reads it."""
+    _, heads, bs, two_d = t.shape
+    d = two_d // 2
+    blk = t[b].view(heads, 2, bs * d)
+    blk[:, 0].copy_(x[:, :, 0].permute(1, 2, 0).reshape(heads, d * bs))
+    blk[:, 1].copy_(x[:, :, 1].permute(1, 0, 2).reshape(heads, bs * d))
+
+
+@pytest.mark.parametrize(
+    "num_tokens,local_hit,engine",
+    [(100, 0, "ucx"), (128, 0, "ucx"), (150, 1, "ucx"), (150, 1, "nixl")],
+    ids=["100 tokens", "128 tokens", "150 tokens after a local hit", "150 tokens after a local hit, NIXL"],
+)
+def test_smaller_prefill_block_size_lands_in_token_order(connector_cls, dist_env, num_tokens, local_hit, engine):
+    """A prefill of block size 32 and a decode of 64: every token of the
+    prompt lands in the decode's block at its own position, for K and V of
+    every head and layer (the READ puts two prefill blocks one after
+    another into each decode block; the connector permutes them into the
+    CPU vec kernels' order: K column-major, V row-major); positions the READ did not write are
+    zeroed; blocks outside the request, and the decode's locally cached
+    block, are untouched."""
+    why = _engine_unavailable(engine)
+    if why:
+        pytest.skip(f"gonixl's {engine} transfer engine does not load on this host: {why}")
+    extra = {"transfer_engine": engine}
+    p = h.Engine(connector_cls, "kv_producer", "engine-p32", P_BLOCKS, extra=extra, block_size=32)
+    d = None
+    try:
+        d = h.Engine(connector_cls, "kv_consumer", "engine-d64", D_BLOCKS, extra=extra, block_size=64)
+        p.fill_all(-7.0)
+        d.fill_all(-3.0)
+        pre = h.prefill(p, "bs-p", num_tokens, seed=1)
+        names = h.layer_names(p.vllm_config)
+        gen = torch.Generator().manual_seed(num_tokens)
+        tokens: dict[str, torch.Tensor] = {}
+        for name in names:
+            pt = p.kv_caches[name]
+            heads, dim = pt.shape[1], pt.shape[3] // 2
+            # The prompt's K/V by token position (the prefill's whole
+            # blocks: what they hold past the prompt is read too).
+            logical = torch.randn(len(pre.block_ids) * 32, heads, 2, dim, generator=gen)
+            for k, b in enumerate(pre.block_ids):
+                _set_tokens(pt, b, logical[k * 32 : (k + 1) * 32])
+            assert torch.equal(_tokens_of(pt, pre.block_ids[0]), logical[:32])
+            tokens[name] = logical
+        before = d.snapshot()
+        dr = h.schedule_decode(d, "bs-d", num_tokens, pre.params, local_hit_blocks=local_hit)
+        assert dr.load_async and dr.n_ext == num_tokens - local_hit * 64
+        wait_transfer_done(p, d, pre, dr)
+        assert "bs-d" not in d.out.failed
+        start = local_hit * 64  # first position read
+        written = len(pre.block_ids) * 32 - start  # positions the READ covered
+        for name in names:
+            dt = d.kv_caches[name]
+            for k, b in enumerate(dr.new_blocks):
+                pos0 = start + k * 64
+                n = max(0, min(64, start + written - pos0))
+                want = torch.zeros(64, dt.shape[1], 2, dt.shape[3] // 2)
+                want[:n] = tokens[name][pos0 : pos0 + n]
+                got = _tokens_of(dt, b)
+                assert torch.equal(got, want), f"{name}: decode block {b} (positions {pos0}..{pos0 + 63})"
+            others = [x for x in range(d.num_blocks) if x not in set(dr.new_blocks)]
+            idx = torch.tensor(others, dtype=torch.long)
+            assert torch.equal(d.kv_caches[name].index_select(0, idx), before[name].index_select(0, idx)), name
+        finish_decode(d, dr)
+    finally:
+        if d is not None:
+            d.shutdown()
+        p.shutdown()
+
+
+def test_larger_prefill_block_size_is_refused(connector_cls, dist_env):
+    """A prefill whose blocks are larger than the decode's: the handshake
+    refuses it (as vLLM's NixlConnector does), the request fails loudly,
+    and the decode's KV cache is untouched."""
+    p = h.Engine(connector_cls, "kv_producer", "engine-p64", P_BLOCKS, block_size=64)
+    d = None
+    try:
+        d = h.Engine(connector_cls, "kv_consumer", "engine-d32", D_BLOCKS, block_size=32)
+        d.fill_all(-3.0)
+        pre = h.prefill(p, "big-p", 100, seed=2)
+        before = d.snapshot()
+        dr = h.schedule_decode(d, "big-d", 100, pre.params)
+        h.run_until([p, d], lambda: "big-d" in d.out.recving, "the refused request reported")
+        assert "big-d" in d.out.failed
+        assert_kv_unchanged(d, before)
+    finally:
+        if d is not None:
+            d.shutdown()
+        p.shutdown()
