@@ -213,9 +213,12 @@ cmd_test() {
   log "e2e: tests/e2e/run_accuracy_test.sh with GONIXL_UCX_DATA_PATH=shm"
   GONIXL_UCX_DATA_PATH=shm bash tests/e2e/run_accuracy_test.sh
   # And over real NIXL (transfer_engine nixl, its progress thread with the
-  # shim's 1 ms delay; docs/ENVIRONMENT.md).
-  log "e2e: tests/e2e/run_accuracy_test.sh with GONIXL_E2E_ENGINE=nixl"
-  GONIXL_E2E_ENGINE=nixl bash tests/e2e/run_accuracy_test.sh
+  # shim's 1 ms delay; docs/ENVIRONMENT.md), with a decode block size of 64
+  # against the prefill's 32: each decode block is read as two prefill
+  # blocks and put in the CPU kernel's token order (heterogeneous block
+  # sizes; NIXL with equal block sizes runs in the interop matrix below).
+  log "e2e: tests/e2e/run_accuracy_test.sh with GONIXL_E2E_ENGINE=nixl GONIXL_E2E_DECODE_BLOCK_SIZE=64"
+  GONIXL_E2E_ENGINE=nixl GONIXL_E2E_DECODE_BLOCK_SIZE=64 bash tests/e2e/run_accuracy_test.sh
   # Bidirectional KV transfer: multi-turn conversations through
   # gonixl-proxy --multiturn, the prefills pulling the history back from the
   # decode (prompt_tokens_by_source proves they computed only the new

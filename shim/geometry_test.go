@@ -286,6 +286,40 @@ func TestHandshakeIdentityCheck(t *testing.T) {
 			t.Errorf("%s: got %v, want %q", c.name, err, c.want)
 		}
 	}
+
+	// The CPU backend's kernel layout (its ISA's byte order inside a block):
+	// stated by gonixl peers, compared whenever both state it, and needed
+	// from the peer for a different block size.
+	d.work.kernelLayout = "cpu_attn:vec"
+	withKernel := func(k string) func(*sidechannel.AgentMetadata) {
+		return func(m *sidechannel.AgentMetadata) {
+			m.Geometry = strings.TrimSuffix(m.Geometry, "}") + `,"kernel_layout":"` + k + `"}`
+		}
+	}
+	both := func(fs ...func(*sidechannel.AgentMetadata)) func(*sidechannel.AgentMetadata) {
+		return func(m *sidechannel.AgentMetadata) {
+			for _, f := range fs {
+				f(m)
+			}
+		}
+	}
+	for _, c := range []struct {
+		name string
+		mut  func(*sidechannel.AgentMetadata)
+		want string
+	}{
+		{"same kernel layout", withKernel("cpu_attn:vec"), ""},
+		{"same kernel layout, half the block size", both(half, withKernel("cpu_attn:vec")), ""},
+		{"another kernel layout", withKernel("cpu_attn:amx"), "kernel_layout: remote cpu_attn:amx, this engine cpu_attn:vec"},
+		{"an older gonixl peer, same block size", nil, ""},
+		{"an older gonixl peer, half the block size", half, "does not state its attention kernel's layout"},
+		{"a stock peer, half the block size", both(half, func(m *sidechannel.AgentMetadata) { m.Geometry = "" }), "needs gonixl on both sides"},
+	} {
+		err := check(c.mut)
+		if (c.want == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), c.want)) {
+			t.Errorf("%s: got %v, want %q", c.name, err, c.want)
+		}
+	}
 }
 
 // A decode whose layers do not match the prefill's fails the request at
