@@ -294,6 +294,8 @@ def _block_kind(vllm_config: VllmConfig, backend: str, layout: Any) -> tuple[str
         from vllm.v1.attention.backends import cpu_attn
 
         mc = vllm_config.model_config
+        if not isinstance(mc.dtype, torch.dtype):  # resolved by ModelConfig; else unknown
+            return "", "cpu_attn:unknown"
         isa = cpu_attn._get_attn_isa(
             mc.dtype, vllm_config.cache_config.block_size, mc.get_head_size(), vllm_config.cache_config.cache_dtype
         )

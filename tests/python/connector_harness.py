@@ -280,10 +280,11 @@ class Engine:
     def free(self, ids: list[int]) -> None:
         self.free_blocks.extend(ids)
 
-    def cached_blocks(self, blocks: list[KVCacheBlock], tag: bytes) -> list[KVCacheBlock]:
+    @staticmethod
+    def cached_blocks(blocks: list[KVCacheBlock], tag: bytes, block_size: int = BLOCK_SIZE) -> list[KVCacheBlock]:
         """Mark blocks as prefix-cache hits (full blocks with a hash)."""
         for i, b in enumerate(blocks):
-            b.set_block_hash(make_block_hash_with_group_id(BlockHash(tag + b"-%d" % i), 0), (i + 1) * self.block_size)
+            b.set_block_hash(make_block_hash_with_group_id(BlockHash(tag + b"-%d" % i), 0), (i + 1) * block_size)
         return blocks
 
     # ------------------------------------------------------------------
@@ -471,7 +472,7 @@ def schedule_decode(
     else:
         req = d.request(req_id, num_tokens, copy.deepcopy(params), max_tokens=4)
         d.add_request(req)
-    hit = d.cached_blocks(d.alloc(local_hit_blocks), req_id.encode()) if local_hit_blocks else []
+    hit = d.cached_blocks(d.alloc(local_hit_blocks), req_id.encode(), d.block_size) if local_hit_blocks else []
     num_computed = min(local_hit_blocks * d.block_size, num_tokens)
     n_ext, load_async = d.sched.get_num_new_matched_tokens(req, num_computed)
     new = d.alloc(cdiv(num_tokens, d.block_size) - len(hit)) if n_ext > 0 else []
