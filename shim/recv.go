@@ -245,15 +245,8 @@ func (w *Worker) pairBlocks(rr *RecvReq, re *remoteEngine) (BlockIDs, BlockIDs, 
 			return nil, nil, fmt.Errorf("group %d: %d local blocks but the remote engine sent only %d block ids", g, len(l), len(r))
 		}
 		r = r[len(r)-len(l):]
-		for _, b := range l {
-			if b < 0 || b >= w.layout.NumBlocks {
-				return nil, nil, fmt.Errorf("local block id %d out of range [0, %d)", b, w.layout.NumBlocks)
-			}
-		}
-		for _, b := range r {
-			if b < 0 || b >= re.numBlocks {
-				return nil, nil, fmt.Errorf("remote block id %d out of range [0, %d) of engine %s", b, re.numBlocks, re.id)
-			}
+		if err := w.checkBlockRange(l, r, re); err != nil {
+			return nil, nil, err
 		}
 		outR[g] = r
 	}
@@ -261,6 +254,22 @@ func (w *Worker) pairBlocks(rr *RecvReq, re *remoteEngine) (BlockIDs, BlockIDs, 
 		return nil, nil, errors.New("descriptor ids exceed int32")
 	}
 	return local, outR, nil
+}
+
+// checkBlockRange checks local and remote block ids against the block
+// counts of this engine and of re.
+func (w *Worker) checkBlockRange(local, remote []int64, re *remoteEngine) error {
+	for _, b := range local {
+		if b < 0 || b >= w.layout.NumBlocks {
+			return fmt.Errorf("local block id %d out of range [0, %d)", b, w.layout.NumBlocks)
+		}
+	}
+	for _, b := range remote {
+		if b < 0 || b >= re.numBlocks {
+			return fmt.Errorf("remote block id %d out of range [0, %d) of engine %s", b, re.numBlocks, re.id)
+		}
+	}
+	return nil
 }
 
 // pairSubBlocks is pairBlocks for a remote engine whose block size is this
@@ -304,15 +313,8 @@ func (w *Worker) pairSubBlocks(rr *RecvReq, re *remoteEngine) (BlockIDs, BlockID
 			return nil, nil, fmt.Errorf("group %d: %d local blocks but the remote engine sent only %d block ids of %d tokens", g, len(l), len(r), rbs)
 		}
 		r = r[cached*n:]
-		for _, b := range l {
-			if b < 0 || b >= w.layout.NumBlocks {
-				return nil, nil, fmt.Errorf("local block id %d out of range [0, %d)", b, w.layout.NumBlocks)
-			}
-		}
-		for _, b := range r {
-			if b < 0 || b >= re.numBlocks {
-				return nil, nil, fmt.Errorf("remote block id %d out of range [0, %d) of engine %s", b, re.numBlocks, re.id)
-			}
+		if err := w.checkBlockRange(l, r, re); err != nil {
+			return nil, nil, err
 		}
 		outR[g] = r
 	}
