@@ -349,6 +349,15 @@ class BlockReshaper:
         self._perm: dict[tuple[int, int], tuple[Any, Any]] = {}
         if not kind:
             return
+        try:
+            self._collect(kv_caches, num_blocks, skip)
+        except (ValueError, RuntimeError, IndexError):
+            # A tensor this cannot walk: no reshaping, so the library
+            # refuses prefills of another block size (registration itself
+            # is the library's business, not this class's).
+            self.mode, self.views = "", []
+
+    def _collect(self, kv_caches: Mapping[str, Any], num_blocks: int, skip: Optional[set[str]]) -> None:
         seen: set[int] = set()
         for name, t in kv_caches.items():
             if skip and name in skip:
