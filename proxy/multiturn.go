@@ -100,7 +100,7 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 		return
 	}
 	di := p.nextDecode()
-	ex.logAt(zapcore.DebugLevel, "routing", zap.Stringer("prefill", pi), zap.Stringer("decode", di))
+	ex.logAt(zapcore.DebugLevel, "routing", zap.Stringer("prefill", pi), zap.Stringer("decode", di), zap.Duration("prefill_took", ex.prefillDur))
 
 	start := time.Now()
 	resp, ctx, cancel, timer, ue := p.openDecode(ex, di, dbody)

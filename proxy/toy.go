@@ -43,7 +43,7 @@ func (p *Proxy) serveToy(ex *exchange) {
 		}
 	}
 	di := p.nextDecode()
-	ex.logAt(zapcore.DebugLevel, "routing", zap.Stringer("prefill", pi), zap.Stringer("decode", di))
+	ex.logAt(zapcore.DebugLevel, "routing", zap.Stringer("prefill", pi), zap.Stringer("decode", di), zap.Duration("prefill_took", ex.prefillDur))
 	p.relayDecode(ex, di, dbody)
 }
 

@@ -163,9 +163,11 @@ start_vllm() {
   fi
 }
 
-# start_proxy NAME PORT PREFILL_PORT DECODE_PORT: gonixl-proxy (toy mode).
+# start_proxy NAME PORT PREFILL_PORT DECODE_PORT: gonixl-proxy (toy mode), at
+# debug level: its per-request "routing" line (after the prefill answered,
+# with how long it took) tells a hung request's side.
 start_proxy() {
-  start "$1" "$PROXY_BIN" --host 127.0.0.1 --port "$2" \
+  start "$1" "$PROXY_BIN" --log-level debug --host 127.0.0.1 --port "$2" \
     --prefiller-hosts 127.0.0.1 --prefiller-ports "$3" --decoder-hosts 127.0.0.1 --decoder-ports "$4"
 }
 
