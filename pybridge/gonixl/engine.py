@@ -16,6 +16,7 @@ vLLM forks, and a Go runtime does not survive fork).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 from typing import Any, Mapping, Optional, Sequence
 
@@ -346,7 +347,7 @@ class BlockReshaper:
         self.head_size = head_size
         self.mode = kind
         self.views: list[Any] = []  # blocks x elements, in memory order
-        self._perm: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._perm: dict[tuple[int, int, str], tuple[Any, Any]] = {}
         if not kind:
             return
         try:
@@ -363,7 +364,7 @@ class BlockReshaper:
             if skip and name in skip:
                 continue
             d = block_dim(t.shape, num_blocks)
-            for idx in _product([range(n) for n in t.shape[:d]]):
+            for idx in itertools.product(*(range(n) for n in t.shape[:d])):
                 sub = t[idx] if idx else t
                 if sub.data_ptr() in seen:
                     continue
@@ -387,10 +388,11 @@ class BlockReshaper:
             return [(hd, 1), (1, hd)] * (inner // per_head) if hd and inner % per_head == 0 else None
         return None
 
-    def _permutation(self, inner: int, ratio: int) -> tuple[Any, Any]:
-        """(src, token): element p of a local block comes from element src[p]
-        of the received bytes, and holds token position token[p]."""
-        key = (inner, ratio)
+    def _permutation(self, inner: int, ratio: int, device: Any) -> tuple[Any, Any]:
+        """(src, token) on device: element p of a local block comes from
+        element src[p] of the received bytes, and holds token position
+        token[p]. Computed once per (block length, ratio, device)."""
+        key = (inner, ratio, str(device))
         if key not in self._perm:
             import torch
 
@@ -406,7 +408,7 @@ class BlockReshaper:
                 src.append(q.reshape(-1))
                 tok.append(t.expand(runs, bs, elems).reshape(-1))
                 off += runs * bs * elems
-            self._perm[key] = (torch.cat(src), torch.cat(tok))
+            self._perm[key] = (torch.cat(src).to(device), torch.cat(tok).to(device))
         return self._perm[key]
 
     def apply(self, entries: Sequence[Mapping[str, Any]]) -> None:
@@ -419,23 +421,16 @@ class BlockReshaper:
             if ratio <= 1 or not blocks:
                 continue
             full, part = divmod(covered, ratio)
+            idx: dict[str, Any] = {}  # the block ids, once per device
             for view in self.views:
-                src, tok = self._permutation(view.shape[1], ratio)
-                src, tok = src.to(view.device), tok.to(view.device)
-                idx = torch.tensor(blocks, dtype=torch.long, device=view.device)
-                x = view.index_select(0, idx)[:, src]
+                src, tok = self._permutation(view.shape[1], ratio, view.device)
+                ids = idx.setdefault(str(view.device), torch.tensor(blocks, dtype=torch.long, device=view.device))
+                x = view.index_select(0, ids)[:, src]
                 if full < len(blocks):
                     # Past the last sub-block written: no prompt token.
                     x[full, tok >= part * (self.block_size // ratio)] = 0
                     x[full + 1 :] = 0
-                view.index_copy_(0, idx, x)
-
-
-def _product(ranges: Sequence[range]) -> list[tuple[int, ...]]:
-    out: list[tuple[int, ...]] = [()]
-    for r in ranges:
-        out = [o + (i,) for o in out for i in r]
-    return out
+                view.index_copy_(0, ids, x)
 
 
 def _dense(t: Any) -> bool:
