@@ -39,8 +39,7 @@ type WorkerLive struct {
 
 // Live returns the worker's live counts.
 func (w *Worker) Live() WorkerLive {
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	defer w.lockTimed("live counts")()
 	l := WorkerLive{
 		ReceivingRequests: len(w.recv),
 		PendingHandshakes: len(w.handshakes),

@@ -171,8 +171,7 @@ func retryableHandshake(err error) bool {
 // engine prepared by prepareRemote and posts the READs that waited for it,
 // or fails them.
 func (w *Worker) finishHandshake(engineID, host string, port int, re *remoteEngine, err error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	defer w.lockTimed("handshake result")()
 	key := hsKey(engineID, host, port)
 	hsState := w.handshakes[key]
 	if w.closed {

@@ -114,6 +114,8 @@ type Worker struct {
 	panics      atomic.Int64
 	stuckTotal  atomic.Int64 // handles ever held because release failed
 	hsGuard     handshakeGuard
+	lastPoll    time.Time // GetFinished's last call (pollgap.go)
+	lockHolder  string    // the last section that took mu through lockTimed
 }
 
 // NewWorker validates cfg and creates the worker side. clock may be nil.
@@ -170,8 +172,7 @@ func randomSuffix() string {
 // RegisterKVCaches registers the KV cache with a transfer agent and builds
 // the handshake payload this rank serves.
 func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	defer w.lockTimed("register_kv_caches")()
 	if w.closed {
 		return withClass(ErrState, errors.New("worker is closed"))
 	}
@@ -284,8 +285,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 // HandshakePayload returns the encoded NixlHandshakePayload this rank
 // serves through the scheduler's listener.
 func (w *Worker) HandshakePayload() ([]byte, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	defer w.lockTimed("handshake payload")()
 	if w.payload == nil {
 		return nil, withClass(ErrState, errors.New("no handshake payload before register_kv_caches"))
 	}
@@ -300,8 +300,7 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 	if err != nil {
 		return withClass(ErrInvalidInput, err)
 	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	defer w.lockTimed("start_load_kv")()
 	if w.agent == nil {
 		if len(m.ReqsToRecv) > 0 {
 			return withClass(ErrState, errors.New("start_load_kv before register_kv_caches"))
@@ -317,8 +316,8 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 // GetFinished polls transfers and notifications, sweeps expired leases and
 // returns what finished since the last call.
 func (w *Worker) GetFinished() ([]byte, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	defer w.lockTimed("get_finished")()
+	w.notePollLocked()
 	if w.agent != nil {
 		w.pollTransfersLocked()
 		w.pollNotifsLocked()
@@ -345,8 +344,7 @@ func (w *Worker) GetFinished() ([]byte, error) {
 
 // LoadErrors returns (and clears) the local block ids whose load failed.
 func (w *Worker) LoadErrors() []int64 {
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	defer w.lockTimed("get_block_ids_with_load_errors")()
 	out := make([]int64, 0, len(w.invalid))
 	for b := range w.invalid {
 		out = append(out, b)

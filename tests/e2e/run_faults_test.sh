@@ -29,6 +29,13 @@
 #                                progress, so that a READ is in flight when the prefill is killed
 #                                or frozen; with cma the decode copies by itself and such a READ
 #                                completes, correctly, before the fault lands)
+#   UCX_TLS                      default here ^cma: UCX's own CMA lane (rma_bw) serves a
+#                                ucp_get one-sided too, for descriptors above its zero-copy
+#                                threshold (contiguous blocks coalesce into such descriptors,
+#                                so it depends on where the prefill's allocator put them); the
+#                                READ then completes from a stopped prefill in milliseconds
+#                                (seen in case b: 0.03 s, correct). Without CMA every same-host
+#                                READ is served by the peer's progress, as cases b and d need.
 #   GONIXL_FAULTS_LEASE          kv_lease_duration, seconds (4)
 #   GONIXL_FAULTS_TRANSFER_TIMEOUT  transfer_timeout, seconds (10)
 #   GONIXL_FAULTS_HANDSHAKE_TIMEOUT handshake_timeout, seconds (5)
@@ -48,6 +55,7 @@ e2e_require "$MODEL"
 e2e_vllm_args "$MODEL"
 ENGINE="${GONIXL_E2E_ENGINE:-ucx}"
 export GONIXL_UCX_DATA_PATH="${GONIXL_UCX_DATA_PATH:-ucp}"
+export UCX_TLS="${UCX_TLS:-^cma}"
 LEASE="${GONIXL_FAULTS_LEASE:-4}"
 TRANSFER_TIMEOUT="${GONIXL_FAULTS_TRANSFER_TIMEOUT:-10}"
 HANDSHAKE_TIMEOUT="${GONIXL_FAULTS_HANDSHAKE_TIMEOUT:-5}"
@@ -126,7 +134,7 @@ DR_PGID=${PIDS[-1]}
 start_vllm baseline "$A_PORT"
 start_proxy proxy-fail "$XF_PORT" "$P_PORT" "$DF_PORT"
 start_proxy proxy-recompute "$XR_PORT" "$P_PORT" "$DR_PORT"
-e2e_say "model $MODEL, engine $ENGINE, lease ${LEASE}s, transfer_timeout ${TRANSFER_TIMEOUT}s, handshake_timeout ${HANDSHAKE_TIMEOUT}s; logs in $LOGS"
+e2e_say "model $MODEL, engine $ENGINE, lease ${LEASE}s, transfer_timeout ${TRANSFER_TIMEOUT}s, handshake_timeout ${HANDSHAKE_TIMEOUT}s, data path $GONIXL_UCX_DATA_PATH, UCX_TLS $UCX_TLS; logs in $LOGS"
 
 wait_ready proxy-fail "http://127.0.0.1:$XF_PORT/healthcheck"
 wait_ready proxy-recompute "http://127.0.0.1:$XR_PORT/healthcheck"

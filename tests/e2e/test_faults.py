@@ -101,9 +101,13 @@ A_END_BOUND_S = 20.0
 # transfer_timeout + D_MARGIN_S of being sent to the decode (vLLM's own
 # scheduling, and with policy recompute the prefill computed afresh, on a
 # loaded 2-core machine), and the READ itself fails within
-# transfer_timeout + D_READ_SLACK_S of being posted (gonixl's log).
+# transfer_timeout + D_READ_SLACK_S of being posted (gonixl's log). gonixl
+# checks transfer_timeout when vLLM polls it (get_finished, once per engine
+# step): the slack is one engine step on a loaded machine (1.7 s seen, in an
+# engine whose only request waited for the frozen READ). gonixl logs a gap
+# of 2 s or more between polls ("vLLM did not poll the connector").
 D_MARGIN_S = 8.0
-D_READ_SLACK_S = 1.0
+D_READ_SLACK_S = 3.0
 # A READ the engine cannot cancel (shared memory, UCX error mode none) keeps
 # its blocks from vLLM until its operations end: under "recompute" the
 # request then ends within this of the prefill's resume; under "fail" it
@@ -566,7 +570,9 @@ def test_d_read_to_frozen_prefill(env):
             t.measure("READ posted -> failed (decode log)", read_s, TRANSFER_TIMEOUT_S + D_READ_SLACK_S)
             assert o.elapsed >= TRANSFER_TIMEOUT_S - 0.5, f"decode-{policy}: ended after {o.elapsed:.1f}s, before transfer_timeout"
             assert TRANSFER_TIMEOUT_S - 0.5 <= read_s <= TRANSFER_TIMEOUT_S + D_READ_SLACK_S, (
-                f"decode-{policy}: the READ failed {read_s:.2f}s after it was posted (transfer_timeout {TRANSFER_TIMEOUT_S}s)"
+                f"decode-{policy}: the READ failed {read_s:.2f}s after it was posted (transfer_timeout {TRANSFER_TIMEOUT_S}s); "
+                f"poll gaps logged: {[m for m in log.splitlines() if 'did not poll' in m or 'worker' + chr(39) + 's lock' in m][:4]}; "
+                f"load average {os.getloadavg()}"
             )
             pending.remove(policy)
         if not pending:

@@ -1,0 +1,76 @@
+package shim
+
+import (
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+func diagWorker() (*Worker, *observer.ObservedLogs) {
+	core, logs := observer.New(zapcore.InfoLevel)
+	return &Worker{log: zap.New(core), recv: map[string]*recvState{}}, logs
+}
+
+// A gap between two get_finished calls longer than pollGapWarn is logged
+// only while READs are in flight, with the gap and their count.
+func TestPollGapLoggedOnlyWithReadsInFlight(t *testing.T) {
+	w, logs := diagWorker()
+	w.lastPoll = time.Now().Add(-3 * time.Second)
+	w.notePollLocked()
+	if n := logs.FilterMessageSnippet("did not poll").Len(); n != 0 {
+		t.Fatalf("gap without READs in flight logged %d times", n)
+	}
+	w.recv["r1"] = &recvState{id: "r1", xfers: []*inflight{{}, {}}}
+	w.notePollLocked() // right after the previous call: no gap
+	if n := logs.FilterMessageSnippet("did not poll").Len(); n != 0 {
+		t.Fatalf("short gap logged %d times", n)
+	}
+	w.lastPoll = time.Now().Add(-3 * time.Second)
+	w.notePollLocked()
+	got := logs.FilterMessageSnippet("did not poll").All()
+	if len(got) != 1 {
+		t.Fatalf("gap of 3s with 2 READs in flight logged %d times, want 1", len(got))
+	}
+	f := got[0].ContextMap()
+	if f["reads_in_flight"] != int64(2) {
+		t.Fatalf("reads_in_flight %v, want 2", f["reads_in_flight"])
+	}
+	if gap, _ := f["gap"].(time.Duration); gap < 3*time.Second {
+		t.Fatalf("gap %v, want >= 3s", f["gap"])
+	}
+}
+
+// A model-thread call that waits for a long-held lock logs the wait and
+// names the holder; the holder's long hold is logged too.
+func TestLockTimedNamesTheHolder(t *testing.T) {
+	w, logs := diagWorker()
+	held := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		unlock := w.lockTimed("handshake result")
+		close(held)
+		time.Sleep(lockWaitWarn + 100*time.Millisecond)
+		unlock()
+	}()
+	<-held
+	w.lockTimed("get_finished")()
+	wg.Wait()
+	waits := logs.FilterMessage("waited for the worker's lock").All()
+	if len(waits) != 1 || waits[0].ContextMap()["held_by"] != "handshake result" || waits[0].ContextMap()["call"] != "get_finished" {
+		t.Fatalf("wait lines %+v", waits)
+	}
+	holds := logs.FilterMessage("held the worker's lock").All()
+	if len(holds) != 1 || holds[0].ContextMap()["call"] != "handshake result" {
+		t.Fatalf("hold lines %+v", holds)
+	}
+	w.lockTimed("get_finished")() // uncontended, short: nothing more logged
+	if logs.Len() != 2 {
+		t.Fatalf("%d lines, want 2", logs.Len())
+	}
+}
