@@ -319,10 +319,18 @@ func (w *Worker) GetFinished() ([]byte, error) {
 	defer w.lockTimed("get_finished")()
 	w.notePollLocked()
 	if w.agent != nil {
+		t0 := time.Now()
 		w.pollTransfersLocked()
+		t1 := time.Now()
 		w.pollNotifsLocked()
+		t2 := time.Now()
 		w.sweepLeasesLocked()
+		t3 := time.Now()
 		w.evictIdleRemotesLocked()
+		if t4 := time.Now(); t4.Sub(t0) >= lockHoldWarn {
+			w.log.Warn("slow get_finished", zap.Duration("transfers", t1.Sub(t0)), zap.Duration("notifications", t2.Sub(t1)),
+				zap.Duration("leases", t3.Sub(t2)), zap.Duration("evictions", t4.Sub(t3)))
+		}
 	}
 	f := w.done
 	w.done = Finished{}

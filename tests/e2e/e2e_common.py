@@ -7,6 +7,7 @@ standard library; the servers are started by the run_*_test.sh scripts.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -15,15 +16,18 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
-import model_task  # noqa: E402
+import model_task
 
 BLOCK = 32
 SEED = 2026
 PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
 
 
-def post(url: str, body: dict, timeout: float = 300, path: str = "/v1/completions") -> dict:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+def post(url: str, body: dict, timeout: float = 300, path: str = "/v1/completions", request_id: str = "") -> dict:
+    headers = {"content-type": "application/json"}
+    if request_id:
+        headers["X-Request-Id"] = request_id  # gonixl-proxy and vLLM keep it in their logs
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.load(r)
 
@@ -58,7 +62,7 @@ def prompt_token_sources(before: str, after: str) -> tuple[float, float]:
     return delta("local_compute"), delta("external_kv_transfer")
 
 
-def completion(url: str, model: str, ex: model_task.Example, timeout: float = 300) -> dict:
+def completion(url: str, model: str, ex: model_task.Example, timeout: float = 300, request_id: str = "") -> dict:
     """The whole /v1/completions response for ex (greedy, room for the longest key)."""
     body = {
         "model": model,
@@ -67,7 +71,54 @@ def completion(url: str, model: str, ex: model_task.Example, timeout: float = 30
         "temperature": 0,
         "seed": 0,
     }
-    return post(url, body, timeout=timeout)
+    return post(url, body, timeout=timeout, request_id=request_id)
+
+
+# gonixl's warnings that say where a slow request's time went (shim/pollgap.go).
+STALL_HINTS = ("did not poll the connector", "the worker's lock", "READ still in flight", "slow READ completed")
+
+
+def _iso_ts(line: str) -> float | None:
+    """Seconds since the epoch of a gonixl (zap) log line, None for other lines."""
+    head = line.split("\t", 1)[0]
+    try:
+        return datetime.datetime.strptime(head, "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
+    except ValueError:
+        return None
+
+
+def where_time_went(request_id: str, started: float, seconds: float, proxy_log: str, logs: dict[str, str]) -> str:
+    """One line on a slow request sent through gonixl-proxy with X-Request-Id
+    request_id at wall time started: how long its prefill leg took (the
+    proxy's routing line), the gonixl lines naming it in each instance's log,
+    and the stall hints (STALL_HINTS) logged while it ran."""
+
+    def read(path: str) -> list[str]:
+        try:
+            with open(path, errors="replace") as f:
+                return f.read().splitlines()
+        except OSError:
+            return []
+
+    parts = []
+    route = [ln for ln in read(proxy_log) if request_id in ln and "routing" in ln]
+    if route:
+        m = re.search(r'"prefill_took": ([0-9.e+-]+)', route[0])
+        took = float(m.group(1)) if m else float("nan")
+        parts.append(f"prefill leg {took:.1f} s, decode leg {seconds - took:.1f} s (proxy)")
+    else:
+        parts.append("no routing line in the proxy log: the prefill never answered")
+    for name, path in logs.items():
+        lines = read(path)
+        mine = [ln.split("\t", 3)[-1][:160] for ln in lines if request_id in ln and "gonixl" in ln]
+        hints = []
+        for ln in lines:
+            t = _iso_ts(ln)
+            if t is not None and started <= t <= started + seconds + 1 and any(h in ln for h in STALL_HINTS):
+                hints.append(ln.split("\t", 3)[-1][:200])
+        if mine or hints:
+            parts.append(f"{name}: {len(mine)} gonixl lines naming it {mine[:2]}, stall hints {hints[:3]}")
+    return f"request {request_id} took {seconds:.1f} s: " + "; ".join(parts)
 
 
 def complete(url: str, model: str, ex: model_task.Example) -> str:

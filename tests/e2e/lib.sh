@@ -232,7 +232,7 @@ interop_matrix_run() {
   local topo
   topo=$(
     for inst in "${!PORT[@]}"; do printf 'I %s http://127.0.0.1:%s %s\n' "$inst" "${PORT[$inst]}" "$LOGS/$inst.log"; done
-    for c in "${COMBOS[@]}"; do printf 'C %s http://127.0.0.1:%s\n' "$c" "${PROXY[$c]}"; done
+    for c in "${COMBOS[@]}"; do printf 'C %s http://127.0.0.1:%s %s\n' "$c" "${PROXY[$c]}" "$LOGS/proxy-$c.log"; done
   )
   GONIXL_INTEROP_TOPOLOGY=$(MODEL="$MODEL" BASELINE="http://127.0.0.1:$A_PORT" "$PY" -c '
 import json, os, sys
@@ -242,7 +242,7 @@ for line in sys.stdin.read().splitlines():
     if kind == "I":
         t["instances"][name] = {"url": url, "log": log[0]}
     else:
-        t["combos"][name] = {"proxy": url}
+        t["combos"][name] = {"proxy": url, "proxy_log": log[0]}
 print(json.dumps(t))' <<<"$topo")
   export GONIXL_INTEROP_TOPOLOGY GONIXL_INTEROP_SUMMARY="$SUMMARY"
   e2e_pytest "$PY" -m pytest -q -rA -p no:cacheprovider "$ROOT/tests/e2e/test_interop.py"

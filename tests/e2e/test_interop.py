@@ -37,11 +37,22 @@ import socket
 import sys
 import time
 import urllib.error
+import uuid
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_common import SEED, completion, eval_examples, metrics, model_task, post, prompt_token_sources, read_from  # noqa: E402
+from e2e_common import (
+    SEED,
+    completion,
+    eval_examples,
+    metrics,
+    model_task,
+    post,
+    prompt_token_sources,
+    read_from,
+    where_time_went,
+)
 
 TOPOLOGY = json.loads(os.environ.get("GONIXL_INTEROP_TOPOLOGY") or "{}")
 COMBOS = list(TOPOLOGY.get("combos", {}))
@@ -54,6 +65,9 @@ CONCURRENCY = int(os.environ.get("GONIXL_INTEROP_CONCURRENCY", "4"))
 # Seconds one request may take through a proxy; after the first timeout the
 # combination sends no more (it has failed; the rest would only wait too).
 REQUEST_TIMEOUT = float(os.environ.get("GONIXL_INTEROP_REQUEST_TIMEOUT", "120"))
+# A request slower than this gets a line on where its time went (proxy legs,
+# gonixl's stall hints in the instances' logs).
+SLOW_REQUEST_S = 10.0
 SUMMARY = os.environ.get("GONIXL_INTEROP_SUMMARY")
 
 # What fails a combination when it appears in its prefill's or decode's log,
@@ -137,10 +151,12 @@ def metrics_or_empty(url: str) -> str:
         return ""
 
 
-def send_all(url: str, examples: list[model_task.Example]) -> tuple[list[str], list[str], list[float]]:
-    """Texts, errors ('' where none) and seconds per request: SEQUENTIAL one by one, the rest CONCURRENCY at a time."""
+def send_all(url: str, examples: list[model_task.Example], tag: str = "") -> tuple[list[str], list[str], list[float], list[tuple[str, float]]]:
+    """Texts, errors ('' where none), seconds and (X-Request-Id, wall time
+    sent) per request: SEQUENTIAL one by one, the rest CONCURRENCY at a time."""
     n = len(examples)
     texts, errors, latencies = [""] * n, [""] * n, [0.0] * n
+    sent: list[tuple[str, float]] = [(f"{tag}{i}-{uuid.uuid4().hex[:8]}", 0.0) for i in range(n)]
     timed_out = False
 
     def one(i: int) -> None:
@@ -149,11 +165,12 @@ def send_all(url: str, examples: list[model_task.Example]) -> tuple[list[str], l
             errors[i] = "not sent: an earlier request timed out"
             return
         t0 = time.monotonic()
+        sent[i] = (sent[i][0], time.time())
         try:
-            texts[i] = completion(url, MODEL, examples[i], timeout=REQUEST_TIMEOUT)["choices"][0]["text"]
+            texts[i] = completion(url, MODEL, examples[i], timeout=REQUEST_TIMEOUT, request_id=sent[i][0])["choices"][0]["text"]
         except urllib.error.HTTPError as e:
             errors[i] = f"HTTP {e.code}: {e.read()[:200]!r}"
-        except (TimeoutError, socket.timeout) as e:
+        except TimeoutError as e:
             timed_out = True
             errors[i] = f"timeout: {e}"
         except (urllib.error.URLError, OSError) as e:
@@ -167,7 +184,7 @@ def send_all(url: str, examples: list[model_task.Example]) -> tuple[list[str], l
         one(i)
     with cf.ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
         list(pool.map(one, range(first, n)))
-    return texts, errors, latencies
+    return texts, errors, latencies, sent
 
 
 def scan_log(text: str) -> tuple[list[str], int]:
@@ -205,7 +222,7 @@ def run(request, examples, reference) -> ComboRun:
     offsets = {i["name"]: os.path.getsize(i["log"]) for i in (prefill, decode)}
     before = metrics_or_empty(decode["url"])
     t0 = time.monotonic()
-    texts, errors, latencies = send_all(c["proxy"], examples)
+    texts, errors, latencies, sent = send_all(c["proxy"], examples, tag=f"interop-{combo}-")
     seconds = time.monotonic() - t0
     after = metrics_or_empty(decode["url"])
     local_compute, external = prompt_token_sources(before, after)
@@ -226,6 +243,11 @@ def run(request, examples, reference) -> ComboRun:
         f"log problems {problems}, {seconds:.1f} s (slowest request {max(latencies):.1f} s){notes}"
         + "".join(f", {name} prefix cache NOT reset" for name, ok in cache_reset.items() if not ok),
     )
+    slowest = max(range(len(latencies)), key=latencies.__getitem__)
+    if latencies[slowest] >= SLOW_REQUEST_S:
+        rid, started = sent[slowest]
+        logs = {i["name"]: i["log"] for i in (prefill, decode)}
+        report(request, "  slowest: " + where_time_went(rid, started, latencies[slowest], c["proxy_log"], logs))
     return r
 
 
