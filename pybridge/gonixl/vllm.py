@@ -417,14 +417,28 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             # scheduling step, and its prompt does not change.
             del p[PROMPT_DIGEST_KEY]
             return
-        logger.error(
-            "GoNixlConnector: request %s: kv_transfer_params from engine %s (request %s) hold the KV of another prompt "
-            "(prompt digest mismatch over %s tokens); computing the prompt locally",
-            request.request_id,
-            p.get("remote_engine_id"),
-            p.get("remote_request_id"),
-            n,
-        )
+        if getattr(request, "abort_immediately", False):
+            # vLLM's stand-in for a request its server rejected before the
+            # engine saw it (notify_kv_transfer_request_rejected: prompt [0],
+            # aborted at once): nothing is read, and with no prompt to check
+            # the parameters against, the prefill is not notified either; it
+            # frees those blocks at its lease.
+            logger.info(
+                "GoNixlConnector: request %s was rejected before it reached the engine; the blocks of engine %s "
+                "(request %s) are freed at that prefill's lease",
+                request.request_id,
+                p.get("remote_engine_id"),
+                p.get("remote_request_id"),
+            )
+        else:
+            logger.error(
+                "GoNixlConnector: request %s: kv_transfer_params from engine %s (request %s) hold the KV of another prompt "
+                "(prompt digest mismatch over %s tokens); computing the prompt locally",
+                request.request_id,
+                p.get("remote_engine_id"),
+                p.get("remote_request_id"),
+                n,
+            )
         request.kv_transfer_params = {k: v for k, v in p.items() if not k.startswith("remote_") and k != PROMPT_DIGEST_KEY}
         request.kv_transfer_params["do_remote_prefill"] = False
         request.kv_transfer_params["gonixl_prompt_mismatch"] = True

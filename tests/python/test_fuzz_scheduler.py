@@ -576,3 +576,34 @@ def test_fuzz_run_summary(scheds):
         f"\ngonixl scheduler fuzz: {EXAMPLES} examples per run (derandomize={not RANDOM}), {next(_counter)} requests; "
         f"known scheduler bugs hit: {KNOWN_BUGS}"
     )
+
+
+def test_rejected_request_stand_in_is_not_a_prompt_mismatch(scheds, caplog):
+    """vLLM's server, rejecting a request before its engine sees it, submits
+    a stand-in (prompt [0], aborted at once: notify_kv_transfer_request_rejected)
+    with the client's kv_transfer_params. Its prompt cannot match the
+    prefill's digest; that is logged as a rejection, not as KV of another
+    prompt, and nothing is read for it."""
+    s = scheds["decode"]
+    n = 3 * BS + 5
+    real = h.Engine.request("real-prompt", n, None)
+    params = _resolve(BASES["remote_prefill"], n, real.prompt_token_ids)
+    for rid, abort_immediately, want in [
+        ("rejected-0", True, "rejected before it reached the engine"),
+        ("mismatch-0", False, "hold the KV of another prompt"),
+    ]:
+        req = h.Engine.request(rid, 1, None, max_tokens=1)
+        req.abort_immediately = abort_immediately
+        req.kv_transfer_params = copy.deepcopy(params)
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            s.conn.on_new_request(req)
+        lines = [(r.levelname, r.getMessage()) for r in caplog.records if "GoNixlConnector" in r.getMessage()]
+        assert len(lines) == 1 and want in lines[0][1], lines
+        assert lines[0][0] == ("INFO" if abort_immediately else "ERROR"), lines
+        assert req.kv_transfer_params["do_remote_prefill"] is False
+        assert not any(k.startswith("remote_") for k in req.kv_transfer_params), req.kv_transfer_params
+        assert s.conn.get_num_new_matched_tokens(req, 0) == (0, False)
+        req.status = RequestStatus.FINISHED_ABORTED
+        assert s.conn.request_finished(req, []) == (False, None)
+        assert rid not in (s.meta().get("reqs_to_recv") or {})
