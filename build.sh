@@ -191,10 +191,35 @@ cmd_wheel() {
 }
 
 ## test: everything CI runs (setup, check and build first)
+# stallwatch_start: tests/e2e/stallwatch.py in the background for the rest
+# of the run; at exit its lines (times the machine gave a process no CPU for
+# 5 s or more) and the kernel's lockup reports are printed last, where a
+# failure's reader looks.
+stallwatch_start() {
+  local out="$ROOT/build/stalls.txt"
+  : >"$out"
+  "$PY" tests/e2e/stallwatch.py "$out" &
+  STALLWATCH_PID=$!
+  trap 'stallwatch_report' EXIT
+}
+stallwatch_report() {
+  local rc=$?
+  kill "$STALLWATCH_PID" 2>/dev/null || true
+  local out="$ROOT/build/stalls.txt" k
+  k=$(dmesg 2>/dev/null | grep -E "workqueue lockup|rcu_preempt detected stalls|soft lockup" | tail -5 || true)
+  if [ -s "$out" ] || [ -n "$k" ]; then
+    printf '\nmachine stalls during ./build.sh test (a process that got no CPU for 5 s or more):\n' >&2
+    tail -n 20 "$out" >&2
+    [ -z "$k" ] || printf 'kernel (dmesg, seconds since boot; now %s):\n%s\n' "$(cut -d' ' -f1 /proc/uptime)" "$k" >&2
+  fi
+  return $rc
+}
+
 cmd_test() {
   cmd_setup
   cmd_check
   cmd_build
+  stallwatch_start
   unit_tests
   # The wheel, installed in a scratch venv, loads its own library and
   # moves KV between two connectors.
