@@ -2,6 +2,7 @@ package shim
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"strconv"
@@ -65,6 +66,15 @@ type Config struct {
 	ProgressDelayUs        int      `json:"-"` // gonixl: NIXL progress thread's wait for an event, µs
 
 	// Worker-side facts the Python connector reads from vLLM's config.
+	// TransferMode is "pull" (NixlConnector: the decode READs) or "push"
+	// (NixlPushConnector: the prefill WRITEs into blocks the decode
+	// registered), set by the Python connector class.
+	TransferMode string `json:"transfer_mode"`
+	// PushRegistrationTimeout (push mode, a decode): seconds a request
+	// waits for the prefill's WRITE after registering its blocks
+	// (push_registration_timeout, default decoder_kv_blocks_ttl).
+	PushRegistrationTimeout float64 `json:"-"`
+
 	CompatFactors map[string]any `json:"compat_factors"`
 
 	// vLLM's kv_cache_config.transfer_groups (both roles), and whether the
@@ -183,6 +193,24 @@ func (c *Config) applyDefaults() error {
 		return fmt.Errorf("config: kv_connector_extra_config.decoder_kv_blocks_ttl must be a finite number of seconds, got %v", c.DecoderKVBlocksTTL)
 	}
 	if c.BidirectionalKVXfer, err = x.bool("bidirectional_kv_xfer", false); err != nil {
+		return err
+	}
+	switch c.TransferMode {
+	case "":
+		c.TransferMode = "pull"
+	case "pull":
+	case "push":
+		if c.BidirectionalKVXfer {
+			// vLLM's NixlPushConnector refuses the same pairing.
+			return errors.New("Bidirectional KV transfer is not supported for NIXL push connector.")
+		}
+	default:
+		return fmt.Errorf("config: transfer_mode must be pull or push, got %q", c.TransferMode)
+	}
+	if c.PushRegistrationTimeout, err = x.float("push_registration_timeout", c.DecoderKVBlocksTTL); err != nil {
+		return err
+	}
+	if err := checkSeconds("push_registration_timeout", c.PushRegistrationTimeout); err != nil {
 		return err
 	}
 	if c.KVRecomputeThreshold, err = x.int("kv_recompute_threshold", 64); err != nil { // vLLM's default, in every mode

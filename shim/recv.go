@@ -29,6 +29,8 @@ type recvState struct {
 	// reshape: the blocks read from an engine of a smaller block size,
 	// reported with finished_recving for the Python side to rearrange.
 	reshape []BlockReshape
+	// push: push mode, the wait for the prefill's WRITE (push.go).
+	push *pushWait
 }
 
 type inflight struct {
@@ -108,6 +110,10 @@ func (w *Worker) readLocked(st *recvState) {
 	if st.meta.TPSize != re.plan.remoteTP {
 		w.stats.RecordFailedTransfer()
 		w.failLocked(st, "transfer_setup_failed", fmt.Sprintf("kv_transfer_params say tp_size %d, but engine %s was handshaken with tp_size %d", st.meta.TPSize, re.id, re.plan.remoteTP), nil)
+		return
+	}
+	if st.meta.Push {
+		w.registerPushLocked(st, re)
 		return
 	}
 	// vLLM's "<req>:<consumers>": how many decode ranks notify each
@@ -368,6 +374,11 @@ func (w *Worker) subBlockXferMaker(local, remote BlockIDs, remoteNumBlocks int64
 // engine that keeps it none at all); otherwise the index arrays of
 // regionDescIDs.
 func (w *Worker) xferMaker(local, remote BlockIDs, remoteNumBlocks int64) func(l, r nixl.DescList, notif []byte) (nixl.Xfer, error) {
+	return w.xferMakerOp(nixl.Read, local, remote, remoteNumBlocks)
+}
+
+// xferMakerOp is xferMaker for a READ or (push mode) a WRITE.
+func (w *Worker) xferMakerOp(op nixl.XferOp, local, remote BlockIDs, remoteNumBlocks int64) func(l, r nixl.DescList, notif []byte) (nixl.Xfer, error) {
 	regions := w.layout.Regions
 	if !regionsMapped(regions) {
 		lb, rb := flatBlocks(local), flatBlocks(remote)
@@ -376,13 +387,13 @@ func (w *Worker) xferMaker(local, remote BlockIDs, remoteNumBlocks int64) func(l
 			br[i] = nixl.BlockRegion{Local: int32(int64(i) * w.layout.NumBlocks), Remote: int32(int64(i) * remoteNumBlocks)}
 		}
 		return func(l, r nixl.DescList, notif []byte) (nixl.Xfer, error) {
-			return nixl.MakeXferBlocks(w.agent, nixl.Read, l, r, br, lb, rb, notif)
+			return nixl.MakeXferBlocks(w.agent, op, l, r, br, lb, rb, notif)
 		}
 	}
 	lidx := regionDescIDs(regions, w.layout.NumBlocks, local)
 	ridx := regionDescIDs(regions, remoteNumBlocks, remote)
 	return func(l, r nixl.DescList, notif []byte) (nixl.Xfer, error) {
-		return w.agent.MakeXfer(nixl.Read, l, lidx, r, ridx, notif)
+		return w.agent.MakeXfer(op, l, lidx, r, ridx, notif)
 	}
 }
 
@@ -447,7 +458,7 @@ func (w *Worker) pollTransfersLocked() {
 	sort.Strings(ids)
 	for _, id := range ids {
 		st := w.recv[id]
-		if st.waiting {
+		if st.waiting || st.push != nil {
 			continue
 		}
 		kept := st.xfers[:0]

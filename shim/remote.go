@@ -32,6 +32,9 @@ type remoteEngine struct {
 	// blockRatio is this engine's block size over the remote's (1: equal):
 	// above 1, each local block is read as that many remote blocks.
 	blockRatio int
+	// gonixl: the remote is a gonixl engine (its metadata states its
+	// geometry); only such a peer is sent gonixl's own notifications.
+	gonixl bool
 }
 
 // remoteRank is one remote TP rank this worker handshook with: its agent,
@@ -64,7 +67,11 @@ func (re *remoteEngine) release(agent nixl.Agent) {
 }
 
 type handshakeState struct {
-	waiting []string // request ids waiting for this engine
+	waiting     []string // request ids waiting for this engine
+	pushWaiting []string // push mode, a prefill: request ids whose WRITE waits for this (decode) engine
+	// cancelReplies: push mode, a prefill: decode request ids to tell,
+	// once handshaken, that no WRITE will come (push.go)
+	cancelReplies []string
 }
 
 // hsKey identifies a handshake: an engine at one address (a request may
@@ -209,6 +216,9 @@ func (w *Worker) finishHandshake(engineID, host string, port int, re *remoteEngi
 	if hsState == nil {
 		return
 	}
+	if len(hsState.pushWaiting)+len(hsState.cancelReplies) > 0 {
+		w.pushHandshakeDoneLocked(hsState, re, err)
+	}
 	for _, id := range hsState.waiting {
 		st, ok := w.recv[id]
 		if !ok || !st.waiting {
@@ -266,6 +276,7 @@ func (w *Worker) prepareRemote(engineID, host string, port int, plan tpPlan, res
 			return nil, fmt.Errorf("remote engine %s: its ranks advertise different block sizes", engineID)
 		}
 		re.blockRatio = ratio
+		re.gonixl = md.Geometry != ""
 		n := int64(len(md.KVCachesBaseAddr)) * md.NumBlocks
 		if n > math.MaxInt32 || n > maxRemoteDescs(int64(len(w.layout.Regions))*w.layout.NumBlocks) {
 			return nil, fmt.Errorf("remote engine %s (tp_rank %d) advertises %d regions x %d blocks, more descriptors than this engine accepts from a peer (%d here)",
@@ -424,5 +435,6 @@ func (w *Worker) dropRemoteLocked(re *remoteEngine) bool {
 	}
 	delete(w.remotes, re.id)
 	re.release(w.agent)
+	w.pushWaitGoneLocked(re.id)
 	return true
 }

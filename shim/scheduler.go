@@ -35,6 +35,7 @@ type Scheduler struct {
 	reqsNotProcessed  map[string]struct{}
 	hbByEngine        map[string]*hbTarget
 	hbReqEngine       map[string][2]string // local req id -> (engine, remote req id)
+	pushFinished      map[string]BlockIDs  // push mode, prefill: blocks to WRITE, for the next step's metadata
 	lastHeartbeat     float64
 	hbInterval        float64
 	listener          *sidechannel.Listener
@@ -68,6 +69,7 @@ func NewScheduler(cfg *Config, clock Clock) (_ *Scheduler, err error) {
 		reqsNotProcessed: map[string]struct{}{},
 		hbByEngine:       map[string]*hbTarget{},
 		hbReqEngine:      map[string][2]string{},
+		pushFinished:     map[string]BlockIDs{},
 		// vLLM: kv_lease_duration // 6 (integer seconds).
 		hbInterval: float64(int(cfg.KVLeaseDuration) / 6),
 	}
@@ -126,6 +128,19 @@ func (s *Scheduler) stopHeartbeatLocked(reqID string) {
 // the remote engine beyond numComputed, and whether loading is asynchronous.
 func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, numComputed int64) (int64, bool) {
 	if p == nil {
+		return 0, false
+	}
+	if p.DoRemotePrefill && s.push() {
+		// Push: the prefill WRITEs into blocks allocated here, whether or
+		// not it has finished yet; no remote block ids are needed.
+		if !p.UsableEndpoint() || !p.hasTPSize || p.RemoteRequestID == "" {
+			s.log.Warn("push: do_remote_prefill without remote_engine_id, remote_request_id, remote_host, remote_port and tp_size: computing the prompt locally",
+				zap.Bool("endpoint", p.UsableEndpoint()), zap.Bool("tp_size", p.hasTPSize))
+			return 0, false
+		}
+		if count := numPromptTokens - numComputed; count > 0 {
+			return count, true
+		}
 		return 0, false
 	}
 	if p.DoRemotePrefill {
@@ -191,6 +206,9 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 	return 0, false
 }
 
+// push reports whether this engine runs vLLM's push protocol.
+func (s *Scheduler) push() bool { return s.cfg.TransferMode == "push" }
+
 // readbackMargin: a bidirectional pull is not started with less than this
 // left of the decode's TTL (vLLM declines a turn-2 READ at the same margin).
 const readbackMargin = 5.0
@@ -223,6 +241,23 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 	}
 	if !(p.DoRemotePrefill || (p.DoRemoteDecode && s.cfg.BidirectionalKVXfer && !p.BlocksProcessed)) {
 		return false, nil
+	}
+	if p.DoRemotePrefill && s.push() {
+		// Push: register the newly allocated blocks with the prefill
+		// (the worker sends PUSH_REG once it has handshaken).
+		if numExternal > 0 && p.UsableEndpoint() && p.hasTPSize && p.RemoteRequestID != "" {
+			s.addRecvLocked(reqID, &RecvReq{
+				LocalBlockIDs:    clipToWindow(localBlocks, s.cfg.TransferGroups, s.cfg.HMARequired),
+				LocalNumComputed: localNumComputed,
+				TPSize:           p.TPSize,
+				DCPSize:          p.DCPSize,
+				PPSize:           p.PPSize,
+				AwaitingKVs:      true,
+				Push:             true,
+				Remote:           RemoteMeta{Host: p.RemoteHost, Port: p.RemotePort, EngineID: p.RemoteEngineID, RequestID: p.RemoteRequestID},
+			})
+		}
+		return true, nil
 	}
 	if p.HasRemoteBlocks {
 		if !p.UsableEndpoint() || p.RemoteRequestID == "" {
@@ -283,6 +318,9 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 	for _, id := range s.reqsNeedRecvOrder {
 		m.ReqsToRecv[id] = s.reqsNeedRecv[id]
 	}
+	if len(s.pushFinished) > 0 {
+		m.PushFinished = s.pushFinished
+	}
 	if len(s.hbByEngine) > 0 && now-s.lastHeartbeat >= s.hbInterval {
 		s.lastHeartbeat = now
 		m.Heartbeats = make(map[string]*HeartbeatInfo, len(s.hbByEngine))
@@ -307,6 +345,7 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 	s.reqsNeedSend = map[string]float64{}
 	s.reqsInBatch = map[string]struct{}{}
 	s.reqsNotProcessed = map[string]struct{}{}
+	s.pushFinished = map[string]BlockIDs{}
 	return b, nil
 }
 
@@ -325,6 +364,11 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 	isP := p.DoRemoteDecode
 	isD := !isP
 	s.stopHeartbeatLocked(reqID)
+	if p.DoRemotePrefill && s.push() {
+		// Never registered (aborted before allocation): the prefill frees
+		// its blocks at its lease, as vLLM's push connector does.
+		return false, nil, nil
+	}
 	if p.DoRemotePrefill {
 		// Aborted (or finished) before its KV was loaded: send the
 		// notify-only message so the prefill frees its blocks now.
@@ -384,11 +428,27 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 		RemoteNumTokens: remoteNumTokens,
 		RemoteExpiry:    expiry,
 		ExpiryUnix:      expiryUnix,
-		TransferMode:    "pull",
+		TransferMode:    s.cfg.TransferMode,
 	}
 	b, err := json.Marshal(out)
 	if err != nil {
 		return false, nil, err
+	}
+	if s.push() && isP {
+		// The decode does not read: no expiry for it to check (vLLM's
+		// push connector sends no such key). The worker WRITEs these
+		// blocks once the decode registered its own.
+		var m map[string]json.RawMessage
+		if err := json.Unmarshal(b, &m); err != nil {
+			return false, nil, err
+		}
+		delete(m, "remote_blocks_expiry_time")
+		if b, err = json.Marshal(m); err != nil {
+			return false, nil, err
+		}
+		if delay {
+			s.pushFinished[reqID] = blockIDs
+		}
 	}
 	return delay, b, nil
 }

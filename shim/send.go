@@ -6,6 +6,7 @@ package shim
 
 import (
 	"go.uber.org/zap"
+	"strings"
 )
 
 // pollNotifsLocked drains the engine's notifications (notif.go): a
@@ -21,6 +22,16 @@ func (w *Worker) pollNotifsLocked() {
 	}
 	for _, n := range notifs {
 		msg := string(n.Msg)
+		switch {
+		case strings.HasPrefix(msg, pushRegPrefix):
+			w.pushRegLocked(n.Agent, n.Msg[len(pushRegPrefix):])
+			continue
+		case strings.HasPrefix(msg, pushCancelPrefix):
+			w.pushCancelLocked(n.Agent, n.Msg[len(pushCancelPrefix):])
+			continue
+		case w.pushNotifLocked(n.Agent, msg):
+			continue
+		}
 		nt, ok := parseNotif(msg)
 		if !ok {
 			w.log.Warn("malformed notification", zap.String("from", n.Agent), zap.String("msg", msg))
@@ -79,6 +90,12 @@ func (w *Worker) holdForReadersLocked(m *StepMeta) {
 // sweepLeasesLocked frees every request whose lease has passed.
 func (w *Worker) sweepLeasesLocked() {
 	for _, id := range w.held.Expired() {
+		if ps := w.pushSends[id]; ps != nil && len(ps.xfers) > 0 {
+			// Our own WRITE still reads these blocks: they are freed when
+			// it ends (bounded by transfer_timeout).
+			w.held.Hold(id, w.clock()+1)
+			continue
+		}
 		n := w.consumers[id]
 		delete(w.consumers, id)
 		delete(w.toProcess, id)

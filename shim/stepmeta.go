@@ -34,6 +34,10 @@ type RecvReq struct {
 	// past this prompt or past what this engine pulls) and is trimmed at
 	// its end to the blocks this engine allocated.
 	Readback bool `msgpack:"readback,omitempty"`
+	// Push: push mode, this (decode) engine registers LocalBlockIDs with
+	// the prefill named in Remote and waits for its WRITE (push.go);
+	// Remote.BlockIDs is empty.
+	Push bool `msgpack:"push,omitempty"`
 }
 
 // HeartbeatInfo is what a decode worker needs to keep one prefill engine's
@@ -59,6 +63,9 @@ type StepMeta struct {
 	ReqsInBatch      []string                  `msgpack:"reqs_in_batch"`
 	ReqsNotProcessed []string                  `msgpack:"reqs_not_processed"`
 	Heartbeats       map[string]*HeartbeatInfo `msgpack:"heartbeats"` // by remote engine id
+	// PushFinished (push mode, a prefill): the blocks of each request that
+	// finished this step, to WRITE once its decode registered (push.go).
+	PushFinished map[string]BlockIDs `msgpack:"push_finished,omitempty"`
 }
 
 // stepMetaVersion guards against a scheduler and worker from different

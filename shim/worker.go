@@ -114,8 +114,15 @@ type Worker struct {
 	panics      atomic.Int64
 	stuckTotal  atomic.Int64 // handles ever held because release failed
 	hsGuard     handshakeGuard
-	lastPoll    time.Time // GetFinished's last call (pollgap.go)
-	lockHolder  string    // the last section that took mu through lockTimed
+	// Push mode, a prefill (push.go): finished requests' blocks and their
+	// WRITEs by request id (pushOrder: arrival order), and registrations
+	// waiting for their request (pushRegOrder: arrival order).
+	pushSends    map[string]*pushSend
+	pushOrder    []string
+	pushRegs     map[string]*pushReg
+	pushRegOrder []string
+	lastPoll     time.Time // GetFinished's last call (pollgap.go)
+	lockHolder   string    // the last section that took mu through lockTimed
 }
 
 // NewWorker validates cfg and creates the worker side. clock may be nil.
@@ -144,6 +151,8 @@ func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
 		recv:       map[string]*recvState{},
 		invalid:    map[int64]struct{}{},
 		toProcess:  map[string]struct{}{},
+		pushSends:  map[string]*pushSend{},
+		pushRegs:   map[string]*pushReg{},
 		held:       newLeases(clock),
 		consumers:  map[string]int{},
 		floors:     newLeases(clock),
@@ -309,6 +318,7 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 	}
 	w.startReadsLocked(m)
 	w.holdForReadersLocked(m)
+	w.pushFinishedLocked(m)
 	w.sendHeartbeatsLocked(m.Heartbeats)
 	return nil
 }
@@ -327,6 +337,9 @@ func (w *Worker) GetFinished() ([]byte, error) {
 		w.sweepLeasesLocked()
 		t3 := time.Now()
 		w.evictIdleRemotesLocked()
+		w.pollPushWaitsLocked()
+		w.pollPushSendsLocked()
+		w.sweepPushLocked()
 		if t4 := time.Now(); t4.Sub(t0) >= lockHoldWarn {
 			w.log.Warn("slow get_finished", zap.Duration("transfers", t1.Sub(t0)), zap.Duration("notifications", t2.Sub(t1)),
 				zap.Duration("leases", t3.Sub(t2)), zap.Duration("evictions", t4.Sub(t3)))

@@ -1,0 +1,328 @@
+package shim
+
+import (
+	"bytes"
+	"encoding/hex"
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/gonixl/gonixl/nixl/nixltest"
+)
+
+// The registration's bytes are vLLM's: msgspec.msgpack.encode of the same
+// dict (keys in vLLM's order), prefixed with PUSH_REG:. Produced with
+// msgspec 0.19 from vLLM's requirements:
+//
+//	b"PUSH_REG:" + msgspec.msgpack.encode({"request_id": "cmpl-abc-0-1a2b3c4d",
+//	  "decode_engine_id": "D", "decode_host": "10.0.0.2", "decode_port": 5600,
+//	  "decode_tp_size": 1, "local_block_ids": ([3, 4, 70000], []),
+//	  "remote_engine_id": "P", "remote_host": "10.0.0.1", "remote_port": 5601,
+//	  "remote_tp_size": 1, "remote_pp_size": 1})
+const vllmPushReg = "505553485f5245473a8baa726571756573745f6964b3636d706c2d6162632d302d3161326233633464b06465636f64655f656e67696e655f6964a144ab6465636f64655f686f7374a831302e302e302e32ab6465636f64655f706f7274cd15e0ae6465636f64655f74705f73697a6501af6c6f63616c5f626c6f636b5f69647392930304ce0001117090b072656d6f74655f656e67696e655f6964a150ab72656d6f74655f686f7374a831302e302e302e31ab72656d6f74655f706f7274cd15e1ae72656d6f74655f74705f73697a6501ae72656d6f74655f70705f73697a6501"
+
+func TestPushRegistrationBytesAreVLLMs(t *testing.T) {
+	reg := &pushReg{RequestID: "cmpl-abc-0-1a2b3c4d", DecodeEngineID: "D", DecodeHost: "10.0.0.2", DecodePort: 5600, DecodeTPSize: 1,
+		LocalBlockIDs: BlockIDs{{3, 4, 70000}, {}}, RemoteEngineID: "P", RemoteHost: "10.0.0.1", RemotePort: 5601, RemoteTPSize: 1, RemotePPSize: 1}
+	got, err := encodePushReg(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, _ := hex.DecodeString(vllmPushReg)
+	if !bytes.Equal(got, want) {
+		t.Fatalf("registration bytes\n got %x\nwant %x", got, want)
+	}
+	back, err := decodePushReg(want[len(pushRegPrefix):])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if back.RequestID != reg.RequestID || back.DecodeEngineID != "D" || back.DecodeHost != "10.0.0.2" || back.DecodePort != 5600 ||
+		back.DecodeTPSize != 1 || len(back.LocalBlockIDs) != 2 || back.LocalBlockIDs[0][2] != 70000 || len(back.LocalBlockIDs[1]) != 0 {
+		t.Fatalf("decoded %+v", back)
+	}
+}
+
+func TestPushRegistrationRefusesGarbage(t *testing.T) {
+	good, _ := hex.DecodeString(vllmPushReg)
+	body := good[len(pushRegPrefix):]
+	cases := map[string][]byte{
+		"empty":       nil,
+		"not a map":   {0x93, 1, 2, 3},
+		"truncated":   body[:len(body)-3],
+		"wrong types": mustMsgpack(t, map[string]any{"request_id": 7, "decode_engine_id": "D", "decode_host": "h", "decode_port": 1, "decode_tp_size": 1, "local_block_ids": []any{}}),
+		"bad port":    mustMsgpack(t, map[string]any{"request_id": "r", "decode_engine_id": "D", "decode_host": "h", "decode_port": 70000, "decode_tp_size": 1, "local_block_ids": []any{}}),
+		"neg block":   mustMsgpack(t, map[string]any{"request_id": "r", "decode_engine_id": "D", "decode_host": "h", "decode_port": 1, "decode_tp_size": 1, "local_block_ids": []any{[]any{-1}}}),
+		"no blocks":   mustMsgpack(t, map[string]any{"request_id": "r", "decode_engine_id": "D", "decode_host": "h", "decode_port": 1, "decode_tp_size": 1}),
+	}
+	for name, b := range cases {
+		if _, err := decodePushReg(b); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+	// A flat list is one group, as vLLM accepts it.
+	r, err := decodePushReg(mustMsgpack(t, map[string]any{"request_id": "r", "decode_engine_id": "D", "decode_host": "h", "decode_port": 1, "decode_tp_size": 1, "local_block_ids": []any{5, 6}}))
+	if err != nil || len(r.LocalBlockIDs) != 1 || r.LocalBlockIDs[0][1] != 6 {
+		t.Fatalf("flat list: %+v %v", r, err)
+	}
+}
+
+func TestBaseRequestID(t *testing.T) {
+	for in, want := range map[string]string{
+		"cmpl-x-0-1a2b3c4d":   "cmpl-x-0",
+		"cmpl-x-0-1A2B3C4D":   "cmpl-x-0",
+		"cmpl-x-0":            "cmpl-x-0",
+		"cmpl-x-0-1a2b3c4":    "cmpl-x-0-1a2b3c4",
+		"chatcmpl-y-deadbeef": "chatcmpl-y",
+	} {
+		if got := baseRequestID(in); got != want {
+			t.Errorf("baseRequestID(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+// pushPair builds a push-mode prefill and decode on one fake engine.
+func pushPair(t *testing.T, clock *FakeClock, extra map[string]any, script ...nixltest.Script) (*nixltest.Engine, *side, *side) {
+	t.Helper()
+	eng := nixltest.NewEngine("t")
+	for _, sc := range script {
+		eng.SetScript(sc) // before the agents exist: each takes the script it is created with
+	}
+	x := map[string]any{"transfer_mode": "push"}
+	for k, v := range extra {
+		x[k] = v
+	}
+	var now Clock
+	if clock != nil {
+		now = clock.Now
+	}
+	p := newPushSide(t, eng, "kv_producer", "engine-p", now, 1, x)
+	d := newPushSide(t, eng, "kv_consumer", "engine-d", now, 200, x)
+	return eng, p, d
+}
+
+// newPushSide is newSide with transfer_mode push in the top-level config.
+func newPushSide(t *testing.T, eng *nixltest.Engine, kvRole, id string, clock Clock, fill byte, extra map[string]any) *side {
+	t.Helper()
+	mode, _ := extra["transfer_mode"].(string)
+	x := map[string]any{}
+	for k, v := range extra {
+		if k != "transfer_mode" {
+			x[k] = v
+		}
+	}
+	port := freePort(t)
+	mk := func(role Role) *Config {
+		c := testConfig(t, role, kvRole, id, port, x)
+		c.TransferMode = mode
+		if err := c.applyDefaults(); err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	s, err := NewScheduler(mk(RoleScheduler), clock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := NewWorker(mk(RoleWorker), clock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	km := newKVMem(t, fill)
+	registerAndServe(t, s, w, eng, 0, initFor(km))
+	return &side{sched: s, work: w, kv: km, port: port}
+}
+
+// pushPrefill runs a prefill request to request_finished in push mode.
+func pushPrefill(t *testing.T, p *side, reqID string, blocks []int64, numTokens int64) map[string]any {
+	t.Helper()
+	in := mustParams(t, `{"do_remote_decode": true}`)
+	if _, err := p.sched.UpdateStateAfterAlloc(reqID, in, nil, []int64{0}, 0); err != nil {
+		t.Fatal(err)
+	}
+	p.step(t)
+	delay, out, err := p.sched.RequestFinished(reqID, in, true, numTokens, BlockIDs{blocks})
+	if err != nil || !delay || out == nil {
+		t.Fatalf("request_finished: delay=%v out=%s err=%v", delay, out, err)
+	}
+	var got map[string]any
+	if err := json.Unmarshal(out, &got); err != nil {
+		t.Fatal(err)
+	}
+	p.step(t)
+	return got
+}
+
+// pushDecode schedules a decode request in push mode: it registers local.
+func pushDecode(t *testing.T, d, p *side, reqID, remoteReqID string, prompt int64, local []int64, cached []int64) {
+	t.Helper()
+	js, _ := json.Marshal(map[string]any{"do_remote_prefill": true, "remote_engine_id": "engine-p", "remote_host": "127.0.0.1",
+		"remote_port": p.port, "tp_size": 1, "remote_request_id": remoteReqID})
+	dp := mustParams(t, string(js))
+	computed := int64(len(cached)) * tBlockSize
+	n, async := d.sched.GetNumNewMatchedTokens(dp, prompt, computed)
+	if n != prompt-computed || !async {
+		t.Fatalf("decode matched %d async=%v, want %d true", n, async, prompt-computed)
+	}
+	mut, err := d.sched.UpdateStateAfterAlloc(reqID, dp, BlockIDs{local}, []int64{int64(len(cached))}, n)
+	if err != nil || !mut {
+		t.Fatalf("update_state_after_alloc: %v %v", mut, err)
+	}
+	d.step(t)
+}
+
+func checkBlocks(t *testing.T, d, p *side, dblocks, pblocks []int64) {
+	t.Helper()
+	for l := 0; l < tLayers; l++ {
+		for kv := 0; kv < 2; kv++ {
+			for i := range dblocks {
+				if !bytes.Equal(d.kv.block(l, kv, int(dblocks[i])), p.kv.block(l, kv, int(pblocks[i]))) {
+					t.Fatalf("layer %d kv %d: decode block %d != prefill block %d", l, kv, dblocks[i], pblocks[i])
+				}
+			}
+		}
+	}
+}
+
+// Both orders of vLLM's race: the decode's registration before the
+// prefill finished, and after. The prefill WRITEs exactly the registered
+// blocks (the tail of its list after a prefix hit on the decode), the
+// decode finishes on the WRITE's notification, the prefill frees its
+// blocks when the WRITE completed.
+func TestPushBothOrders(t *testing.T) {
+	for _, regFirst := range []bool{true, false} {
+		t.Run(map[bool]string{true: "registration first", false: "prefill first"}[regFirst], func(t *testing.T) {
+			_, p, d := pushPair(t, nil, nil)
+			// vLLM's ids: the client's id plus "-<8 hex>" on each side.
+			pid, did := "cmpl-x-0-aaaaaaaa", "cmpl-x-0-bbbbbbbb"
+			var params map[string]any
+			if regFirst {
+				pushDecode(t, d, p, did, "cmpl-x-0", 12, []int64{9, 10}, []int64{8})
+				// The registration arrives; the prefill has nothing yet.
+				p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+				params = pushPrefill(t, p, pid, []int64{3, 4, 5}, 12)
+			} else {
+				params = pushPrefill(t, p, pid, []int64{3, 4, 5}, 12)
+				pushDecode(t, d, p, did, "cmpl-x-0", 12, []int64{9, 10}, []int64{8})
+			}
+			if params["transfer_mode"] != "push" {
+				t.Fatalf("params %v", params)
+			}
+			if _, ok := params["remote_blocks_expiry_time"]; ok {
+				t.Fatalf("push params carry an expiry: %v", params)
+			}
+			var pf Finished // the prefill's worker runs too
+			f := d.waitFinished(t, "decode recv", func(f Finished) bool {
+				pf.Sending = append(pf.Sending, p.finished(t).Sending...)
+				return contains(f.Recving, did)
+			})
+			if len(f.Failed) != 0 {
+				t.Fatalf("failed %v", f.Failed)
+			}
+			checkBlocks(t, d, p, []int64{9, 10}, []int64{4, 5})
+			for l := 0; l < tLayers; l++ {
+				if bytes.Equal(d.kv.block(l, 0, 8), p.kv.block(l, 0, 3)) {
+					t.Fatal("the decode's cached block was overwritten")
+				}
+			}
+			p.waitFinished(t, "prefill frees", func(f Finished) bool { return contains(append(f.Sending, pf.Sending...), pid) })
+			if len(p.work.pushSends) != 0 || len(p.work.pushRegs) != 0 {
+				t.Fatalf("prefill kept push state: %d sends, %d registrations", len(p.work.pushSends), len(p.work.pushRegs))
+			}
+		})
+	}
+}
+
+// A decode that waits past push_registration_timeout fails the request;
+// with a gonixl prefill it asks it to drop the registration and gives the
+// blocks back only on its answer. A registration that came too late (the
+// prefill's lease had ended) never gets a WRITE.
+func TestPushRegistrationTimeout(t *testing.T) {
+	clock := NewFakeClock(100)
+	_, p, d := pushPair(t, clock, map[string]any{"push_registration_timeout": 5, "kv_lease_duration": 2})
+	pushPrefill(t, p, "cmpl-y-0-aaaaaaaa", []int64{3}, 4)
+	clock.Advance(3) // the prefill's lease ends
+	p.waitFinished(t, "lease expiry", func(f Finished) bool { return contains(f.Sending, "cmpl-y-0-aaaaaaaa") })
+	pushDecode(t, d, p, "cmpl-y-0-bbbbbbbb", "cmpl-y-0", 4, []int64{9}, nil)
+	p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+	if f := d.finished(t); len(f.Recving)+len(f.Failed) != 0 {
+		t.Fatalf("decode finished early: %+v", f)
+	}
+	clock.Advance(6)
+	f := d.finished(t)
+	if !contains(f.Failed, "cmpl-y-0-bbbbbbbb") || contains(f.Recving, "cmpl-y-0-bbbbbbbb") {
+		t.Fatalf("after the timeout: %+v (want failed, blocks still held)", f)
+	}
+	// The gonixl prefill answers the cancel; then the blocks are released.
+	f = d.waitFinished(t, "blocks released", func(f Finished) bool {
+		p.finished(t)
+		return contains(f.Recving, "cmpl-y-0-bbbbbbbb")
+	})
+	if len(p.work.pushRegs) != 0 {
+		t.Fatal("the prefill kept the cancelled registration")
+	}
+	_ = f
+}
+
+// A WRITE that fails tells a gonixl decode at once: the request fails
+// without waiting for the timeout, and the prefill frees its blocks.
+func TestPushFailedWriteNotifiesDecode(t *testing.T) {
+	_, p, d := pushPair(t, nil, nil, nixltest.Script{FailStep: nixltest.StepPost})
+	pushPrefill(t, p, "cmpl-z-0-aaaaaaaa", []int64{3, 4}, 8)
+	pushDecode(t, d, p, "cmpl-z-0-bbbbbbbb", "cmpl-z-0", 8, []int64{9, 10}, nil)
+	sent := false
+	f := d.waitFinished(t, "decode fails", func(f Finished) bool {
+		if pf := p.finished(t); contains(pf.Sending, "cmpl-z-0-aaaaaaaa") {
+			sent = true
+		}
+		return contains(f.Failed, "cmpl-z-0-bbbbbbbb") && contains(f.Recving, "cmpl-z-0-bbbbbbbb")
+	})
+	if !sent {
+		p.waitFinished(t, "prefill frees", func(f Finished) bool { return contains(f.Sending, "cmpl-z-0-aaaaaaaa") })
+	}
+	_ = f
+}
+
+// A registration that is not this request's (more blocks than it has) is
+// refused on the prefill, and the gonixl decode is told.
+func TestPushRegistrationLargerThanRequestRefused(t *testing.T) {
+	_, p, d := pushPair(t, nil, nil)
+	pushPrefill(t, p, "cmpl-w-0-aaaaaaaa", []int64{3}, 4)
+	pushDecode(t, d, p, "cmpl-w-0-bbbbbbbb", "cmpl-w-0", 40, []int64{9, 10, 11}, nil)
+	d.waitFinished(t, "decode fails", func(f Finished) bool {
+		p.finished(t)
+		return contains(f.Failed, "cmpl-w-0-bbbbbbbb")
+	})
+	for l := 0; l < tLayers; l++ {
+		if bytes.Equal(d.kv.block(l, 0, 9), p.kv.block(l, 0, 3)) {
+			t.Fatal("a refused registration was written")
+		}
+	}
+}
+
+func TestPushConfig(t *testing.T) {
+	c := testConfig(t, RoleWorker, "kv_consumer", "e", 5600, map[string]any{"bidirectional_kv_xfer": true})
+	c.TransferMode = "push"
+	if err := c.applyDefaults(); err == nil || !strings.Contains(err.Error(), "Bidirectional KV transfer is not supported for NIXL push connector.") {
+		t.Fatalf("bidirectional push: %v", err)
+	}
+	c = testConfig(t, RoleWorker, "kv_consumer", "e", 5600, map[string]any{"decoder_kv_blocks_ttl": 99})
+	c.TransferMode = "push"
+	if err := c.applyDefaults(); err != nil || c.PushRegistrationTimeout != 99 {
+		t.Fatalf("push_registration_timeout default: %v %v", c.PushRegistrationTimeout, err)
+	}
+	c.TransferMode = "sideways"
+	if err := c.applyDefaults(); err == nil {
+		t.Fatal("transfer_mode sideways accepted")
+	}
+}
+
+func mustMsgpack(t *testing.T, v any) []byte {
+	t.Helper()
+	b, err := msgpack.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
