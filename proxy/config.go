@@ -114,6 +114,12 @@ type Config struct {
 	// "connection reset by peer".
 	UpstreamIdleTimeout time.Duration
 
+	// Push: the instances run vLLM's push connector (NixlPushConnector or
+	// GoNixlPushConnector): once a prefill's identity is known (its first
+	// answer), the prefill and decode requests are sent at once, tied by
+	// one X-Request-Id (push.go). Toy mode only.
+	Push bool
+
 	// ForwardClientKVParams lets a client's own kv_transfer_params reach a
 	// decode instance when the prefill instance returned none. Off by
 	// default: those parameters name remote engines, addresses and block
@@ -155,6 +161,9 @@ func (c *Config) validate() error {
 				errs = append(errs, fmt.Errorf("%s instance %s: port %d out of range 1..65535", set.role, in, in.Port))
 			}
 		}
+	}
+	if c.Push && c.Mode == ModeMultiturn {
+		errs = append(errs, errors.New("push is supported in toy mode only (vLLM's push connector refuses bidirectional transfer)"))
 	}
 	if c.Mode != ModeToy && c.Mode != ModeMultiturn {
 		errs = append(errs, fmt.Errorf("unknown mode %d", int(c.Mode)))

@@ -36,6 +36,9 @@ type Proxy struct {
 	decodeRR  atomic.Uint64
 
 	warnNoConvOnce sync.Once
+
+	pushMu  sync.Mutex
+	pushIDs map[Instance]pushIdentity // push mode: what each prefill said it is
 }
 
 // New validates cfg and returns a proxy.

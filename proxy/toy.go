@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"errors"
 	"io"
 	"net/http"
@@ -14,6 +15,10 @@ import (
 // serveToy is toy_proxy_server.py's request path: prefill with one token,
 // then relay the decode instance's response body unchanged.
 func (p *Proxy) serveToy(ex *exchange) {
+	if p.cfg.Push {
+		p.servePush(ex)
+		return
+	}
 	pi := p.nextPrefill()
 	pbody, err := toyPrefillBody(ex.body)
 	if err != nil {
@@ -56,6 +61,11 @@ func (p *Proxy) relayDecode(ex *exchange, di Instance, body []byte) {
 		p.writeFailure(ex.w, ex.r, ue)
 		return
 	}
+	p.relayOpened(ex, di, start, resp, ctx, cancel, timer)
+}
+
+// relayOpened is relayDecode once the decode's response headers arrived.
+func (p *Proxy) relayOpened(ex *exchange, di Instance, start time.Time, resp *http.Response, ctx context.Context, cancel context.CancelCauseFunc, timer *upstreamTimer) {
 	defer cancel(nil)
 	defer timer.stop()
 	defer resp.Body.Close()

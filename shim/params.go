@@ -58,7 +58,13 @@ type TransferParams struct {
 	ReadbackTokens int64
 	// ExpiryUnix (gonixl_expiry_unix, 0 when absent): the Unix time at
 	// which a gonixl decode frees the blocks these params name.
-	ExpiryUnix      float64
+	ExpiryUnix float64
+	// PromptDigest (gonixl_prompt_digest, "" when absent): the Python
+	// connector's digest of a prompt's tokens (gonixl.vllm.prompt_digest).
+	// Push mode: a prefill's finished request and a decode's registration
+	// carry it, and the prefill WRITEs only into a decode whose prompt has
+	// the same digest.
+	PromptDigest    string
 	BlocksProcessed bool // _remote_blocks_processed
 	hasEngine       bool
 	hasRequest      bool
@@ -179,6 +185,14 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 			return nil, fmt.Errorf("kv_transfer_params: gonixl_expiry_unix %v is not a time", v)
 		}
 		p.ExpiryUnix = v
+	}
+	if v, ok, err := getString(raw, "gonixl_prompt_digest"); err != nil {
+		return nil, err
+	} else if ok {
+		if len(v) > 256 {
+			return nil, fmt.Errorf("kv_transfer_params: gonixl_prompt_digest of %d bytes", len(v))
+		}
+		p.PromptDigest = v
 	}
 	if v, ok, err := getFloat(raw, "remote_blocks_expiry_time"); err != nil {
 		return nil, err

@@ -72,7 +72,10 @@ type pushReg struct {
 	RemotePort     int
 	RemoteTPSize   int
 	RemotePPSize   int
-	received       float64 // prefill's clock
+	// PromptDigest (gonixl's key gonixl_prompt_digest, "" from a stock
+	// decode): the digest of the decode's prompt.
+	PromptDigest string
+	received     float64 // prefill's clock
 }
 
 // encodePushReg writes the registration notification with vLLM's keys, in
@@ -94,8 +97,12 @@ func encodePushReg(r *pushReg) ([]byte, error) {
 		}
 		return enc.EncodeInt(int64(v))
 	}
+	n := 11
+	if r.PromptDigest != "" {
+		n++
+	}
 	steps := []func() error{
-		func() error { return enc.EncodeMapLen(11) },
+		func() error { return enc.EncodeMapLen(n) },
 		func() error { return str("request_id", r.RequestID) },
 		func() error { return str("decode_engine_id", r.DecodeEngineID) },
 		func() error { return str("decode_host", r.DecodeHost) },
@@ -125,6 +132,12 @@ func encodePushReg(r *pushReg) ([]byte, error) {
 		func() error { return num("remote_port", r.RemotePort) },
 		func() error { return num("remote_tp_size", r.RemoteTPSize) },
 		func() error { return num("remote_pp_size", r.RemotePPSize) },
+		func() error {
+			if r.PromptDigest == "" {
+				return nil
+			}
+			return str("gonixl_prompt_digest", r.PromptDigest)
+		},
 	}
 	for _, f := range steps {
 		if err := f(); err != nil {
@@ -180,6 +193,11 @@ func decodePushReg(b []byte) (*pushReg, error) {
 	r.DecodeTPSize = num("decode_tp_size", 1, 1<<16)
 	if err != nil {
 		return nil, err
+	}
+	if d, ok := m["gonixl_prompt_digest"]; ok {
+		if r.PromptDigest, ok = d.(string); !ok || len(r.PromptDigest) > 256 {
+			return nil, fmt.Errorf("gonixl_prompt_digest: want a short string, got %T", d)
+		}
 	}
 	groups, ok := m["local_block_ids"].([]any)
 	if !ok {
@@ -274,6 +292,7 @@ func (w *Worker) pushRegOf(st *recvState) *pushReg {
 		RequestID: st.id, DecodeEngineID: w.cfg.EngineID, DecodeHost: w.cfg.SideChannelHost,
 		DecodePort: w.cfg.SideChannelPort + w.cfg.DPIndex, DecodeTPSize: w.cfg.TPSize, LocalBlockIDs: st.meta.LocalBlockIDs,
 		RemoteEngineID: rm.EngineID, RemoteHost: rm.Host, RemotePort: rm.Port, RemoteTPSize: st.meta.TPSize, RemotePPSize: max(st.meta.PPSize, 1),
+		PromptDigest: st.meta.PromptDigest,
 	}
 }
 
@@ -425,6 +444,7 @@ func (w *Worker) pushWaitGoneLocked(engineID string) {
 type pushSend struct {
 	id       string // this engine's request id
 	blocks   BlockIDs
+	digest   string // its prompt's digest ("" when not known)
 	reg      *pushReg
 	engine   string // the decode engine's id, once matched
 	xfers    []*inflight
@@ -448,7 +468,8 @@ func (w *Worker) pushFinishedLocked(m *StepMeta) {
 		if _, dup := w.pushSends[id]; dup {
 			continue
 		}
-		ps := &pushSend{id: id, blocks: m.PushFinished[id], finished: now}
+		pf := m.PushFinished[id]
+		ps := &pushSend{id: id, blocks: pf.Blocks, digest: pf.PromptDigest, finished: now}
 		w.pushSends[id] = ps
 		w.pushOrder = append(w.pushOrder, id)
 		if reg := w.takeRegLocked(id); reg != nil {
@@ -548,6 +569,13 @@ func (w *Worker) writeLocked(ps *pushSend, re *remoteEngine) {
 	}
 	if err := w.pushPairingError(re); err != nil {
 		fail("transfer_setup_failed", err)
+		return
+	}
+	if ps.digest != "" && ps.reg.PromptDigest != "" && ps.digest != ps.reg.PromptDigest {
+		// Matched by request id, but the decode's prompt is not this
+		// request's (a reused id, a proxy mix-up): writing would give it
+		// another prompt's KV.
+		fail("transfer_setup_failed", fmt.Errorf("the decode's prompt differs from this request's (gonixl_prompt_digest %s, here %s): not writing", ps.reg.PromptDigest, ps.digest))
 		return
 	}
 	local, remote, err := pairPush(ps.blocks, ps.reg.LocalBlockIDs)

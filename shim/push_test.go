@@ -135,9 +135,12 @@ func newPushSide(t *testing.T, eng *nixltest.Engine, kvRole, id string, clock Cl
 }
 
 // pushPrefill runs a prefill request to request_finished in push mode.
-func pushPrefill(t *testing.T, p *side, reqID string, blocks []int64, numTokens int64) map[string]any {
+func pushPrefill(t *testing.T, p *side, reqID string, blocks []int64, numTokens int64, digest ...string) map[string]any {
 	t.Helper()
 	in := mustParams(t, `{"do_remote_decode": true}`)
+	if len(digest) > 0 {
+		in = mustParams(t, `{"do_remote_decode": true, "gonixl_prompt_digest": "`+digest[0]+`"}`)
+	}
 	if _, err := p.sched.UpdateStateAfterAlloc(reqID, in, nil, []int64{0}, 0); err != nil {
 		t.Fatal(err)
 	}
@@ -155,10 +158,14 @@ func pushPrefill(t *testing.T, p *side, reqID string, blocks []int64, numTokens 
 }
 
 // pushDecode schedules a decode request in push mode: it registers local.
-func pushDecode(t *testing.T, d, p *side, reqID, remoteReqID string, prompt int64, local []int64, cached []int64) {
+func pushDecode(t *testing.T, d, p *side, reqID, remoteReqID string, prompt int64, local []int64, cached []int64, digest ...string) {
 	t.Helper()
-	js, _ := json.Marshal(map[string]any{"do_remote_prefill": true, "remote_engine_id": "engine-p", "remote_host": "127.0.0.1",
-		"remote_port": p.port, "tp_size": 1, "remote_request_id": remoteReqID})
+	params := map[string]any{"do_remote_prefill": true, "remote_engine_id": "engine-p", "remote_host": "127.0.0.1",
+		"remote_port": p.port, "tp_size": 1, "remote_request_id": remoteReqID}
+	if len(digest) > 0 {
+		params["gonixl_prompt_digest"] = digest[0]
+	}
+	js, _ := json.Marshal(params)
 	dp := mustParams(t, string(js))
 	computed := int64(len(cached)) * tBlockSize
 	n, async := d.sched.GetNumNewMatchedTokens(dp, prompt, computed)
@@ -325,4 +332,32 @@ func mustMsgpack(t *testing.T, v any) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// A registration matched by request id whose prompt digest differs from the
+// prefill request's is refused: nothing is written, the decode fails. With
+// equal digests the push goes through.
+func TestPushPromptDigestMismatchRefused(t *testing.T) {
+	_, p, d := pushPair(t, nil, nil)
+	pushPrefill(t, p, "cmpl-v-0-aaaaaaaa", []int64{3, 4}, 8, "blake2b-128:aa")
+	pushDecode(t, d, p, "cmpl-v-0-bbbbbbbb", "cmpl-v-0", 8, []int64{9, 10}, nil, "blake2b-128:bb")
+	d.waitFinished(t, "decode fails", func(f Finished) bool {
+		p.finished(t)
+		return contains(f.Failed, "cmpl-v-0-bbbbbbbb") && contains(f.Recving, "cmpl-v-0-bbbbbbbb")
+	})
+	for l := 0; l < tLayers; l++ {
+		if bytes.Equal(d.kv.block(l, 0, 9), p.kv.block(l, 0, 3)) {
+			t.Fatal("a decode with another prompt was written")
+		}
+	}
+	pushPrefill(t, p, "cmpl-u-0-aaaaaaaa", []int64{5}, 4, "blake2b-128:cc")
+	pushDecode(t, d, p, "cmpl-u-0-bbbbbbbb", "cmpl-u-0", 4, []int64{11}, nil, "blake2b-128:cc")
+	f := d.waitFinished(t, "decode recv", func(f Finished) bool {
+		p.finished(t)
+		return contains(f.Recving, "cmpl-u-0-bbbbbbbb")
+	})
+	if len(f.Failed) != 0 {
+		t.Fatalf("equal digests failed: %+v", f)
+	}
+	checkBlocks(t, d, p, []int64{11}, []int64{5})
 }

@@ -34,8 +34,8 @@ type Scheduler struct {
 	reqsInBatch       map[string]struct{}
 	reqsNotProcessed  map[string]struct{}
 	hbByEngine        map[string]*hbTarget
-	hbReqEngine       map[string][2]string // local req id -> (engine, remote req id)
-	pushFinished      map[string]BlockIDs  // push mode, prefill: blocks to WRITE, for the next step's metadata
+	hbReqEngine       map[string][2]string     // local req id -> (engine, remote req id)
+	pushFinished      map[string]*PushFinished // push mode, prefill: blocks to WRITE, for the next step's metadata
 	lastHeartbeat     float64
 	hbInterval        float64
 	listener          *sidechannel.Listener
@@ -69,7 +69,7 @@ func NewScheduler(cfg *Config, clock Clock) (_ *Scheduler, err error) {
 		reqsNotProcessed: map[string]struct{}{},
 		hbByEngine:       map[string]*hbTarget{},
 		hbReqEngine:      map[string][2]string{},
-		pushFinished:     map[string]BlockIDs{},
+		pushFinished:     map[string]*PushFinished{},
 		// vLLM: kv_lease_duration // 6 (integer seconds).
 		hbInterval: float64(int(cfg.KVLeaseDuration) / 6),
 	}
@@ -254,6 +254,7 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 				PPSize:           p.PPSize,
 				AwaitingKVs:      true,
 				Push:             true,
+				PromptDigest:     p.PromptDigest,
 				Remote:           RemoteMeta{Host: p.RemoteHost, Port: p.RemotePort, EngineID: p.RemoteEngineID, RequestID: p.RemoteRequestID},
 			})
 		}
@@ -345,7 +346,7 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 	s.reqsNeedSend = map[string]float64{}
 	s.reqsInBatch = map[string]struct{}{}
 	s.reqsNotProcessed = map[string]struct{}{}
-	s.pushFinished = map[string]BlockIDs{}
+	s.pushFinished = map[string]*PushFinished{}
 	return b, nil
 }
 
@@ -447,7 +448,7 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 			return false, nil, err
 		}
 		if delay {
-			s.pushFinished[reqID] = blockIDs
+			s.pushFinished[reqID] = &PushFinished{Blocks: blockIDs, PromptDigest: p.PromptDigest}
 		}
 	}
 	return delay, b, nil

@@ -38,6 +38,16 @@ type RecvReq struct {
 	// the prefill named in Remote and waits for its WRITE (push.go);
 	// Remote.BlockIDs is empty.
 	Push bool `msgpack:"push,omitempty"`
+	// PromptDigest (push mode): the digest of this request's prompt, sent
+	// with the registration (gonixl_prompt_digest).
+	PromptDigest string `msgpack:"prompt_digest,omitempty"`
+}
+
+// PushFinished is a prefill request whose blocks wait for its decode's
+// registration (push mode).
+type PushFinished struct {
+	Blocks       BlockIDs `msgpack:"blocks"`
+	PromptDigest string   `msgpack:"prompt_digest,omitempty"`
 }
 
 // HeartbeatInfo is what a decode worker needs to keep one prefill engine's
@@ -65,7 +75,7 @@ type StepMeta struct {
 	Heartbeats       map[string]*HeartbeatInfo `msgpack:"heartbeats"` // by remote engine id
 	// PushFinished (push mode, a prefill): the blocks of each request that
 	// finished this step, to WRITE once its decode registered (push.go).
-	PushFinished map[string]BlockIDs `msgpack:"push_finished,omitempty"`
+	PushFinished map[string]*PushFinished `msgpack:"push_finished,omitempty"`
 }
 
 // stepMetaVersion guards against a scheduler and worker from different
@@ -109,6 +119,11 @@ func (m *StepMeta) dropNil() {
 	for id, rr := range m.ReqsToRecv {
 		if rr == nil {
 			delete(m.ReqsToRecv, id)
+		}
+	}
+	for id, pf := range m.PushFinished {
+		if pf == nil {
+			delete(m.PushFinished, id)
 		}
 	}
 	for eng, hb := range m.Heartbeats {

@@ -174,7 +174,7 @@ def _json_default(o: Any):
     raise TypeError(f"kv_transfer_params value of type {type(o).__name__} is not JSON serialisable")
 
 
-def _compat_factors(vllm_config: VllmConfig) -> dict[str, Any]:
+def _compat_factors(vllm_config: VllmConfig, transfer_mode: str = "pull") -> dict[str, Any]:
     """The factors of vLLM's NIXL compatibility hash, minus the ones the
     library adds (connector version, attention backend)."""
     import vllm
@@ -194,7 +194,7 @@ def _compat_factors(vllm_config: VllmConfig) -> dict[str, Any]:
         "cache_dtype": str(cc.cache_dtype),
         "is_hma_enabled": not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         "speculative_config": spec,
-        "transfer_mode": "pull",
+        "transfer_mode": transfer_mode,
     }
 
 
@@ -255,7 +255,9 @@ def _layer_specs(kv_cache_config: "KVCacheConfig") -> dict[str, tuple[int, str, 
     return out
 
 
-def _config_json(vllm_config: VllmConfig, role: str, kv_cache_config: Optional["KVCacheConfig"] = None) -> bytes:
+def _config_json(
+    vllm_config: VllmConfig, role: str, kv_cache_config: Optional["KVCacheConfig"] = None, transfer_mode: str = "pull"
+) -> bytes:
     ktc = vllm_config.kv_transfer_config
     assert ktc is not None  # vLLM builds a connector only from a kv_transfer_config
     pc = vllm_config.parallel_config
@@ -277,11 +279,12 @@ def _config_json(vllm_config: VllmConfig, role: str, kv_cache_config: Optional["
         "side_channel_host": envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
         "side_channel_port": envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
         "kv_connector_extra_config": ktc.kv_connector_extra_config or {},
+        "transfer_mode": transfer_mode,
     }
     if kv_cache_config is not None:
         cfg["transfer_groups"], cfg["hma_required"] = _transfer_groups(vllm_config, kv_cache_config)
     if role == "worker":
-        cfg["compat_factors"] = _compat_factors(vllm_config)
+        cfg["compat_factors"] = _compat_factors(vllm_config, transfer_mode)
     return json.dumps(cfg, default=_json_default).encode()
 
 
@@ -334,6 +337,10 @@ def _new(fn: str, cfg: bytes) -> int:
 class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector (pull mode, as NixlConnector) backed by libgonixl.so."""
 
+    # "pull": the decode READs (vLLM's NixlConnector); GoNixlPushConnector
+    # sets "push" (vLLM's NixlPushConnector).
+    _TRANSFER_MODE = "pull"
+
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
         return False
@@ -361,11 +368,17 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._recv_blocks: dict[str, list[int]] = {}
         self._block_size = int(vllm_config.cache_config.block_size)
         self._warned_no_digest = False
+        # Push mode, scheduler side (has_pending_push_work): prefill
+        # requests whose blocks wait for their WRITE, decode registrations
+        # not yet handed to the worker.
+        self._push_sending: set[str] = set()
+        self._push_registering: set[str] = set()
+        mode = self._TRANSFER_MODE
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _new("gonixl_scheduler_new", _config_json(vllm_config, "scheduler", kv_cache_config))
+            self._sched = _new("gonixl_scheduler_new", _config_json(vllm_config, "scheduler", kv_cache_config, mode))
         elif role == KVConnectorRole.WORKER:
             _request_amx_tile_permission()
-            self._worker = _new("gonixl_worker_new", _config_json(vllm_config, "worker", kv_cache_config))
+            self._worker = _new("gonixl_worker_new", _config_json(vllm_config, "worker", kv_cache_config, mode))
         else:
             raise ValueError(f"unsupported KVConnectorRole: {role}")
         logger.info("GoNixlConnector %s for engine %s (libgonixl %s)", role.name.lower(), self.engine_id, _lib.library_path())
@@ -520,6 +533,15 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         pj = _params_json(request)
         if not pj:
             return
+        params = request.kv_transfer_params or {}
+        push_register = self._TRANSFER_MODE == "push" and num_external_tokens > 0 and bool(params.get("do_remote_prefill"))
+        if push_register:
+            # The registration carries this prompt's digest: the prefill
+            # WRITEs only if it holds the KV of the same tokens.
+            n = len(request.prompt_token_ids or ())
+            digest = prompt_digest(request.prompt_token_ids, n)
+            if digest is not None:
+                pj = json.dumps({**params, PROMPT_DIGEST_KEY: digest}, default=_json_default).encode()
         groups: tuple = ()
         if num_external_tokens > 0:
             groups = tuple(self.kv_cache_config.select_transfer_block_ids(blocks.get_unhashed_block_ids_all_groups()))
@@ -561,9 +583,12 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             # were taken care of.
             request.kv_transfer_params["do_remote_prefill"] = False
             request.kv_transfer_params["_remote_blocks_processed"] = True
+            if push_register:
+                self._push_registering.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         data = _lib.call_bytes("gonixl_scheduler_build_meta", self._sched)
+        self._push_registering.clear()  # handed to the worker with this step
         if not self._staging:
             return GoNixlConnectorMetadata(data)
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
@@ -583,6 +608,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return GoNixlConnectorMetadata(data, save=save, recv=recv)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        if self._push_sending and connector_output.finished_sending:
+            self._push_sending -= connector_output.finished_sending
         done = connector_output.finished_recving
         if done:
             j = json.dumps(sorted(done)).encode()
@@ -601,6 +628,12 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.v1.request import RequestStatus
 
         normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        push_send = self._TRANSFER_MODE == "push" and normal and bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        if push_send:
+            # Its WRITE goes only to a decode whose prompt has this digest.
+            digest = prompt_digest(request.prompt_token_ids, request.num_computed_tokens)
+            if digest is not None:
+                pj = json.dumps({**(request.kv_transfer_params or {}), PROMPT_DIGEST_KEY: digest}, default=_json_default).encode()
         if len(block_ids) == len(self.kv_cache_config.kv_cache_groups):
             block_ids = self.kv_cache_config.select_transfer_block_ids(block_ids)
         ids, n, lens, ng = flatten_groups(block_ids)
@@ -628,6 +661,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         if request.kv_transfer_params is not None and request.kv_transfer_params.get("do_remote_prefill"):
             request.kv_transfer_params["do_remote_prefill"] = False
+        if push_send and delay.value:
+            self._push_sending.add(request.request_id)
         params = json.loads(out) if out else None
         if params and params.get("do_remote_prefill"):
             digest = prompt_digest(request.prompt_token_ids, params.get("remote_num_tokens") or 0)
@@ -641,6 +676,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             if tdigest is not None:
                 params[READBACK_DIGEST_KEY] = tdigest
         return bool(delay.value), params
+
+    def has_pending_push_work(self) -> bool:
+        """Push mode: keeps vLLM's engine stepping while a prefill request's
+        blocks wait for their WRITE, or a registration for the worker."""
+        return bool(self._push_sending or self._push_registering)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
@@ -795,3 +835,19 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched:
             h, self._sched = self._sched, 0
             _lib.call("gonixl_scheduler_close", h)
+
+
+class GoNixlPushConnector(GoNixlConnector):
+    """vLLM KV connector in push mode (as NixlPushConnector): the decode
+    registers its blocks with the prefill, which WRITEs its KV into them.
+    Same configuration keys; push_registration_timeout (seconds, default
+    decoder_kv_blocks_ttl) bounds a decode request's wait for the WRITE."""
+
+    _TRANSFER_MODE = "push"
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        ktc = vllm_config.kv_transfer_config
+        extra = (ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+        if str(extra.get("bidirectional_kv_xfer", False)).lower() in ("true", "1"):
+            raise NotImplementedError("Bidirectional KV transfer is not supported for NIXL push connector.")
+        super().__init__(vllm_config, role, kv_cache_config)

@@ -1,0 +1,151 @@
+package proxy
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// pushPrefillHandler answers like a push-mode prefill (transfer_mode
+// "push"), after release is closed (nil: at once); status != 200 fails.
+func pushPrefillHandler(name string, release <-chan struct{}, status *int) func(http.ResponseWriter, *http.Request, received) {
+	return func(w http.ResponseWriter, _ *http.Request, rec received) {
+		if release != nil {
+			<-release
+		}
+		if status != nil && *status != 200 {
+			writeTestJSON(w, *status, map[string]any{"error": map[string]any{"message": "prefill broke"}})
+			return
+		}
+		params := prefillParams(name)
+		params["transfer_mode"] = "push"
+		params["pp_size"] = 1.0
+		writeTestJSON(w, 200, map[string]any{"id": "cmpl-" + name, "choices": []any{map[string]any{"text": "x"}}, "kv_transfer_params": params})
+	}
+}
+
+// The first request learns the prefill's identity in sequence; later ones
+// reach the decode before the prefill answered, with one X-Request-Id on
+// both and the decode's kv_transfer_params built from that identity.
+func TestPushSendsPrefillAndDecodeAtOnce(t *testing.T) {
+	release := make(chan struct{})
+	var once sync.Once
+	open := func() { once.Do(func() { close(release) }) }
+	defer open()
+	gate := make(chan struct{})
+	close(gate) // the first request goes through at once
+	var cur = gate
+	var mu sync.Mutex
+	pf := newFake(t, "p", func(w http.ResponseWriter, r *http.Request, rec received) {
+		mu.Lock()
+		g := cur
+		mu.Unlock()
+		pushPrefillHandler("p", g, nil)(w, r, rec)
+	})
+	decodeSaw := make(chan received, 4)
+	df := newFake(t, "d", func(w http.ResponseWriter, r *http.Request, rec received) {
+		decodeSaw <- rec
+		decodeHandler("d", false)(w, r, rec)
+	})
+	rg := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Push = true })
+
+	code, _, body := rg.post("/v1/completions", map[string]any{"model": "m", "prompt": "hi", "max_tokens": 5}, map[string]string{"X-Request-Id": "first"})
+	if code != 200 {
+		t.Fatalf("first request: %d %s", code, body)
+	}
+	first := <-decodeSaw
+	if kv := first.Body["kv_transfer_params"].(map[string]any); kv["remote_request_id"] != "req-p" {
+		t.Fatalf("first request: the decode should get the prefill's own params, got %v", kv)
+	}
+
+	mu.Lock()
+	cur = release // the prefill now answers only when released
+	mu.Unlock()
+	done := make(chan int, 1)
+	go func() {
+		code, _, _ := rg.post("/v1/completions", map[string]any{"model": "m", "prompt": "hi", "max_tokens": 5}, map[string]string{"X-Request-Id": "second"})
+		done <- code
+	}()
+	var second received
+	select {
+	case second = <-decodeSaw:
+	case <-time.After(waitLimit):
+		t.Fatal("the decode never got the second request while the prefill was still working")
+	}
+	kv := second.Body["kv_transfer_params"].(map[string]any)
+	want := map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "engine-p", "remote_host": "10.0.0.99",
+		"remote_port": 5600.0, "tp_size": 1.0, "pp_size": 1.0, "remote_request_id": "second", "transfer_mode": "push"}
+	for k, v := range want {
+		if kv[k] != v {
+			t.Errorf("decode kv_transfer_params[%s] = %v, want %v (all: %v)", k, kv[k], v, kv)
+		}
+	}
+	if second.Header.Get("X-Request-Id") != "second" {
+		t.Errorf("decode X-Request-Id %q", second.Header.Get("X-Request-Id"))
+	}
+	open()
+	if code := <-done; code != 200 {
+		t.Fatalf("second request: %d", code)
+	}
+	reqs := pf.requests()
+	if len(reqs) != 2 || reqs[1].Header.Get("X-Request-Id") != "second" {
+		t.Fatalf("prefill requests %d, last id %q", len(reqs), reqs[len(reqs)-1].Header.Get("X-Request-Id"))
+	}
+	var pkv map[string]any
+	_ = json.Unmarshal(mustJSON(reqs[1].Body["kv_transfer_params"]), &pkv)
+	if pkv["do_remote_decode"] != true || reqs[1].Body["max_tokens"] != 1.0 {
+		t.Fatalf("prefill body %v", reqs[1].Body)
+	}
+}
+
+// A failed prefill cancels its concurrent decode request and is what the
+// client sees.
+func TestPushPrefillFailureCancelsDecode(t *testing.T) {
+	var st atomic.Int64
+	st.Store(200)
+	pf := newFake(t, "p", func(w http.ResponseWriter, r *http.Request, rec received) {
+		s := int(st.Load())
+		pushPrefillHandler("p", nil, &s)(w, r, rec)
+	})
+	cancelled := make(chan struct{}, 1)
+	df := newFake(t, "d", func(w http.ResponseWriter, r *http.Request, rec received) {
+		if st.Load() == 200 {
+			decodeHandler("d", false)(w, r, rec)
+			return
+		}
+		select {
+		case <-r.Context().Done():
+			cancelled <- struct{}{}
+		case <-time.After(waitLimit):
+		}
+	})
+	rg := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Push = true })
+	if code, _, body := rg.post("/v1/completions", map[string]any{"model": "m", "prompt": "hi"}, nil); code != 200 {
+		t.Fatalf("first: %d %s", code, body)
+	}
+	st.Store(503)
+	code, _, body := rg.post("/v1/completions", map[string]any{"model": "m", "prompt": "hi"}, nil)
+	if code != http.StatusBadGateway || !strings.Contains(string(body), "prefill instance") || !strings.Contains(string(body), "503") {
+		t.Fatalf("prefill failure: client got %d %s, want the prefill's failure (502 naming its 503)", code, body)
+	}
+	select {
+	case <-cancelled:
+	case <-time.After(waitLimit):
+		t.Fatal("the decode request was not cancelled")
+	}
+}
+
+func TestPushRefusedInMultiturnMode(t *testing.T) {
+	if _, err := New(Config{Mode: ModeMultiturn, Push: true, Prefill: []Instance{{Host: "a", Port: 1}}, Decode: []Instance{{Host: "b", Port: 2}}}); err == nil {
+		t.Fatal("push with the multi-turn proxy accepted")
+	}
+}
+
+func mustJSON(v any) []byte {
+	b, _ := json.Marshal(v)
+	return b
+}
