@@ -139,7 +139,7 @@ gonixl_kv_config() {
     "$1" "$2"
 }
 stock_kv_config() {
-  printf '{"kv_connector":"NixlConnector","kv_role":"%s","kv_buffer_device":"cpu"}' "$1"
+  printf '{"kv_connector":"%s","kv_role":"%s","kv_buffer_device":"cpu"}' "${STOCK_CONNECTOR:-NixlConnector}" "$1"
 }
 
 # start NAME CMD...: CMD in its own process group, output to $LOGS/NAME.log.
@@ -166,9 +166,10 @@ start_vllm() {
 # start_proxy NAME PORT PREFILL_PORT DECODE_PORT: gonixl-proxy (toy mode), at
 # debug level: its per-request "routing" line (after the prefill answered,
 # with how long it took) tells a hung request's side.
+# PROXY_FLAGS (an array, may be unset) are added to its flags (--push).
 start_proxy() {
   start "$1" "$PROXY_BIN" --log-level debug --host 127.0.0.1 --port "$2" \
-    --prefiller-hosts 127.0.0.1 --prefiller-ports "$3" --decoder-hosts 127.0.0.1 --decoder-ports "$4"
+    --prefiller-hosts 127.0.0.1 --prefiller-ports "$3" --decoder-hosts 127.0.0.1 --decoder-ports "$4" ${PROXY_FLAGS[@]+"${PROXY_FLAGS[@]}"}
 }
 
 # wait_ready NAME URL: until URL answers, a started process exits, or WAIT passes.
@@ -191,8 +192,8 @@ e2e_elapsed() { echo $((SECONDS - E2E_T0)); }
 # in kv_connector_extra_config; EXTRA is a JSON fragment such as
 # '"kv_lease_duration":10' (run_soak_test.sh).
 gonixl_kv_config_extra() {
-  printf '{"kv_connector":"GoNixlConnector","kv_connector_module_path":"gonixl.vllm","kv_role":"%s","kv_connector_extra_config":{"transfer_engine":"%s",%s}}' \
-    "$1" "$2" "$3"
+  printf '{"kv_connector":"%s","kv_connector_module_path":"gonixl.vllm","kv_role":"%s","kv_connector_extra_config":{"transfer_engine":"%s",%s}}' \
+    "${GONIXL_CONNECTOR:-GoNixlConnector}" "$1" "$2" "$3"
 }
 
 # wait_log NAME FILE REGEX: until FILE has a line matching the extended

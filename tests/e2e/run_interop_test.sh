@@ -23,6 +23,8 @@
 #                           GONIXL_INTEROP_REQUEST_TIMEOUT (120 s): see test_interop.py
 #   GONIXL_E2E_LOGS         log folder (default tests/e2e/logs/interop)
 #   GONIXL_E2E_TIMEOUT      seconds to wait for the servers (600)
+#   GONIXL_INTEROP_PUSH     1: push mode (GoNixlPushConnector / NixlPushConnector on every
+#                           instance, gonixl-proxy --push)
 #   GONIXL_INTEROP_LEASE    kv_lease_duration of every instance, stock and gonixl (120 s):
 #                           the matrix tests wire compatibility, not leases (the fault suite
 #                           does); on 2 loaded cores a request can wait in the decode's queue
@@ -66,6 +68,13 @@ done
 # Connector instances: prefill-go, prefill-stock, decode-go, decode-stock, as needed.
 # VLLM_SERVER_DEV_MODE=1 serves /reset_prefix_cache, which test_interop.py
 # calls between combinations.
+# Push mode (GONIXL_INTEROP_PUSH=1): vLLM's push connector on every
+# instance (GoNixlPushConnector, NixlPushConnector) and gonixl-proxy --push.
+if [ "${GONIXL_INTEROP_PUSH:-0}" = 1 ]; then
+  export GONIXL_CONNECTOR=GoNixlPushConnector STOCK_CONNECTOR=NixlPushConnector
+  PROXY_FLAGS=(--push)
+  e2e_say "push mode: GoNixlPushConnector / NixlPushConnector, gonixl-proxy --push"
+fi
 declare -A PORT SIDE
 LEASE="${GONIXL_INTEROP_LEASE:-120}"
 kv_config() { # kind role
