@@ -261,6 +261,16 @@ cmd_test() {
     GONIXL_E2E_MODEL="tests/fixtures/geometry/$m" GONIXL_E2E_LOGS="tests/e2e/logs/interop-$m" \
       bash tests/e2e/run_interop_test.sh
   done
+  # Push mode (vLLM's NixlPushConnector protocol: the decode registers its
+  # blocks, the prefill WRITEs into them; gonixl-proxy --push sends both
+  # requests at once): gonixl on both sides and with the stock push
+  # connector on either side over NIXL, then gonixl on both sides over
+  # gonixl's UCX engine.
+  log "e2e: tests/e2e/run_interop_test.sh, push mode"
+  GONIXL_INTEROP_PUSH=1 GONIXL_E2E_LOGS=tests/e2e/logs/push bash tests/e2e/run_interop_test.sh
+  log "e2e: tests/e2e/run_interop_test.sh, push mode, gonixl's UCX engine"
+  GONIXL_INTEROP_PUSH=1 GONIXL_INTEROP_COMBOS=go-go GONIXL_INTEROP_GO_ENGINE=ucx GONIXL_E2E_LOGS=tests/e2e/logs/push-ucx \
+    bash tests/e2e/run_interop_test.sh
   # Tensor and data parallelism with real vLLM (its CPU backend runs TP = 2
   # with one worker process per rank): TP 2->2, 1->2, 2->1 and DP 2 on the
   # decode, on the GQA Llama (2 KV heads: head slicing); then the hybrid

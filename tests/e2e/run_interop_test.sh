@@ -23,6 +23,8 @@
 #                           GONIXL_INTEROP_REQUEST_TIMEOUT (120 s): see test_interop.py
 #   GONIXL_E2E_LOGS         log folder (default tests/e2e/logs/interop)
 #   GONIXL_E2E_TIMEOUT      seconds to wait for the servers (600)
+#   GONIXL_INTEROP_GO_ENGINE transfer_engine of the gonixl instances (nixl: the stock
+#                           connector's own NIXL; ucx for gonixl's engine, go-go only)
 #   GONIXL_INTEROP_PUSH     1: push mode (GoNixlPushConnector / NixlPushConnector on every
 #                           instance, gonixl-proxy --push)
 #   GONIXL_INTEROP_LEASE    kv_lease_duration of every instance, stock and gonixl (120 s):
@@ -79,7 +81,7 @@ declare -A PORT SIDE
 LEASE="${GONIXL_INTEROP_LEASE:-120}"
 kv_config() { # kind role
   if [ "$1" = go ]; then
-    gonixl_kv_config_extra "$2" nixl "\"kv_lease_duration\":$LEASE"
+    gonixl_kv_config_extra "$2" "${GONIXL_INTEROP_GO_ENGINE:-nixl}" "\"kv_lease_duration\":$LEASE"
   else
     stock_kv_config "$2" | sed "s/}\$/,\"kv_connector_extra_config\":{\"kv_lease_duration\":$LEASE}}/"
   fi
