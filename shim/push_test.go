@@ -361,3 +361,33 @@ func TestPushPromptDigestMismatchRefused(t *testing.T) {
 	}
 	checkBlocks(t, d, p, []int64{11}, []int64{5})
 }
+
+// A WRITE's notification for a request the decode no longer waits for is
+// counted as a notification after expiry, with vLLM's push log line.
+func TestPushUnrecognizedNotification(t *testing.T) {
+	_, p, d := pushPair(t, nil, nil)
+	logs := observeInfo(d.work)
+	pushPrefill(t, p, "cmpl-s-0-aaaaaaaa", []int64{3}, 4)
+	pushDecode(t, d, p, "cmpl-s-0-bbbbbbbb", "cmpl-s-0", 4, []int64{9}, nil)
+	d.waitFinished(t, "push", func(f Finished) bool {
+		p.finished(t)
+		return contains(f.Recving, "cmpl-s-0-bbbbbbbb")
+	})
+	d.work.Stats() // reset
+	d.work.mu.Lock()
+	pa := p.work.agent.Name()
+	d.work.mu.Unlock()
+	if err := p.work.agent.SendNotif(d.work.agent.Name(), []byte("cmpl-s-0-bbbbbbbb:1")); err != nil {
+		t.Fatal(err)
+	}
+	d.waitFinished(t, "stray notification", func(Finished) bool {
+		return logs.FilterMessage("Unrecognized request cmpl-s-0-bbbbbbbb notif (may have expired).").Len() == 1
+	})
+	var st map[string][]float64
+	if err := json.Unmarshal(d.work.Stats(), &st); err != nil {
+		t.Fatal(err)
+	}
+	if len(st["num_notifications_after_expiry"]) == 0 {
+		t.Errorf("notification after expiry not counted: %v (from %s)", st, pa)
+	}
+}

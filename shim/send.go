@@ -5,6 +5,7 @@
 package shim
 
 import (
+	"fmt"
 	"go.uber.org/zap"
 	"strings"
 )
@@ -49,6 +50,12 @@ func (w *Worker) pollNotifsLocked() {
 		_, processing := w.toProcess[id]
 		if !sending && !processing {
 			w.stats.RecordNotifAfterExpiry()
+			if w.cfg.TransferMode == "push" {
+				// vLLM's push connector's words: a WRITE's notification for
+				// a request this engine no longer waits for.
+				w.log.Error(fmt.Sprintf("Unrecognized request %s notif (may have expired).", id), zap.String("from", n.Agent))
+				continue
+			}
 			w.log.Error("Potentially invalid KV blocks for unrecognized request were retrieved by a decode worker. They may have expired.",
 				zap.String("req_id", id))
 			continue
