@@ -333,6 +333,14 @@ cmd_bench_multiturn() {
   bash bench/run_multiturn_bench.sh
 }
 
+## bench-push: TTFT and hand-off, push vs pull, gonixl and stock (docs/BENCHMARKS.md)
+cmd_bench_push() {
+  cmd_setup
+  cmd_build
+  export GONIXL_LIB_PATH="$LIB"
+  bash bench/run_push_bench.sh
+}
+
 ## demo: the main job (setup and build first)
 cmd_demo() {
   cmd_setup
@@ -372,6 +380,7 @@ main() {
     test-fast) cmd_test_fast "$@" ;;
     gpu-bundle) cmd_gpu_bundle "$@" ;;
     bench-multiturn) cmd_bench_multiturn "$@" ;;
+    bench-push) cmd_bench_push "$@" ;;
     *) cmd_help >&2; die "unknown subcommand: $sub" ;;
   esac
 }
