@@ -309,14 +309,26 @@ type pushWait struct {
 	holdUntil float64 // a cancelled wait gives up holding at this time
 }
 
-// pushPairingError says why this engine cannot push with re (the tp_size
-// and block-size pairings this version handles: equal ones).
+// pushPairingError says why this engine cannot push with re. Handled:
+// equal block sizes, and equal tp_size or different ones where every rank
+// holds distinct KV heads (a prefill rank then writes its whole blocks into
+// its heads' slice of a decode rank's blocks, or each slice of its blocks
+// into one decode rank: the tp plan's slices and slots, as a READ uses
+// them). Replicated KV heads (fewer heads than a side's tp_size) and MLA
+// across tp sizes are refused.
 func (w *Worker) pushPairingError(re *remoteEngine) error {
-	if re.plan.remoteTP != w.cfg.TPSize {
-		return fmt.Errorf("push between tp_size %d and %d is not supported by gonixl yet (equal tp_size only; pull mode supports it)", re.plan.remoteTP, w.cfg.TPSize)
-	}
 	if re.blockRatio != 1 {
 		return errors.New("push between different block sizes is not supported by gonixl yet (pull mode supports a smaller prefill block size)")
+	}
+	pl := re.plan
+	if pl.remoteTP == w.cfg.TPSize {
+		return nil
+	}
+	if pl.mla {
+		return fmt.Errorf("push of an MLA cache between tp_size %d and %d is not supported by gonixl yet", w.cfg.TPSize, pl.remoteTP)
+	}
+	if heads := int(w.geometryOf(w.layout).NumKVHeads); heads < max(pl.localTP, pl.remoteTP) {
+		return fmt.Errorf("push between tp_size %d and %d with %d KV heads (replicated on some ranks) is not supported by gonixl yet", w.cfg.TPSize, pl.remoteTP, heads)
 	}
 	return nil
 }
@@ -606,7 +618,13 @@ func (w *Worker) writeLocked(ps *pushSend, re *remoteEngine) {
 		if rr.list == nil {
 			continue
 		}
-		x, err := mk(w.localList, rr.list, notif)
+		localList := w.localList
+		if re.plan.nSlots > 1 {
+			// Fewer ranks here than on the decode: this rank's blocks
+			// hold several decode ranks' heads, one slot each.
+			localList = w.slotLists[re.plan.nSlots][rr.slot]
+		}
+		x, err := mk(localList, rr.list, notif)
 		if err != nil {
 			fail("transfer_setup_failed", err)
 			return

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -390,4 +391,89 @@ func TestPushUnrecognizedNotification(t *testing.T) {
 	if len(st["num_notifications_after_expiry"]) == 0 {
 		t.Errorf("notification after expiry not counted: %v (from %s)", st, pa)
 	}
+}
+
+// Push between tensor-parallel engines, equal and different tp_size, every
+// rank holding distinct KV heads: each decode rank registers with the
+// prefill ranks it maps to, each prefill rank writes its heads (whole, or
+// slot by slot into several decode ranks), and every byte of every head of
+// every decode rank is the prefill's. Replicated heads are refused.
+func TestPushTensorParallel(t *testing.T) {
+	for _, c := range []struct{ p, d, heads int }{{2, 2, 2}, {2, 1, 2}, {1, 2, 2}, {4, 2, 4}, {1, 2, 4}} {
+		t.Run(fmt.Sprintf("P%d-D%d-heads%d", c.p, c.d, c.heads), func(t *testing.T) {
+			eng := nixltest.NewEngine("t")
+			eng.SetScript(nixltest.Script{Polls: 1})
+			p := newTPEngine(t, eng, "kv_producer", "engine-p", c.p, c.heads, 1, "", "push")
+			d := newTPEngine(t, eng, "kv_consumer", "engine-d", c.d, c.heads, 100, "", "push")
+			pBlocks, dBlocks := []int64{3, 4, 9}, []int64{7, 2, 11}
+			pushTP(t, p, d, "cmpl-tp-0-aaaaaaaa", "cmpl-tp-0-bbbbbbbb", pBlocks, dBlocks)
+			for r := range d.workers {
+				f := d.side(r).waitFinished(t, fmt.Sprintf("decode rank %d recv", r), func(f Finished) bool {
+					for pr := range p.workers {
+						p.side(pr).finished(t)
+					}
+					return contains(f.Recving, "cmpl-tp-0-bbbbbbbb")
+				})
+				if len(f.Failed) != 0 {
+					t.Fatalf("decode rank %d failed: %v", r, f.Failed)
+				}
+			}
+			for r := range d.workers {
+				for l := 0; l < tpLayers; l++ {
+					mem := d.mems[r][l].Bytes
+					blockLen := d.heads * tpHeadBytes
+					for i, db := range dBlocks {
+						for k := 0; k < d.heads; k++ {
+							h := r*d.heads + k
+							got := mem[int(db)*blockLen+k*tpHeadBytes : int(db)*blockLen+(k+1)*tpHeadBytes]
+							for j := range got {
+								if got[j] != headByte(1, l, int(pBlocks[i]), h, j) {
+									t.Fatalf("decode rank %d layer %d block %d head %d byte %d: %d, want %d", r, l, db, h, j, got[j], headByte(1, l, int(pBlocks[i]), h, j))
+								}
+							}
+						}
+					}
+					if mem[5*blockLen] != headByte(100, l, 5, r*d.heads, 0) {
+						t.Fatalf("decode rank %d layer %d: block 5 was overwritten", r, l)
+					}
+				}
+			}
+		})
+	}
+	t.Run("replicated heads refused", func(t *testing.T) {
+		eng := nixltest.NewEngine("t")
+		p := newTPEngine(t, eng, "kv_producer", "engine-p", 1, 1, 1, "", "push")
+		d := newTPEngine(t, eng, "kv_consumer", "engine-d", 2, 1, 100, "", "push")
+		pushTP(t, p, d, "cmpl-rep-0-aaaaaaaa", "cmpl-rep-0-bbbbbbbb", []int64{3}, []int64{7})
+		for r := range d.workers {
+			d.side(r).waitFinished(t, fmt.Sprintf("decode rank %d refuses", r), func(f Finished) bool {
+				p.side(0).finished(t)
+				return contains(f.Failed, "cmpl-rep-0-bbbbbbbb")
+			})
+		}
+	})
+}
+
+// pushTP finishes a prefill request in push mode and schedules the decode's.
+func pushTP(t *testing.T, p, d *tpEngine, pid, did string, pBlocks, dBlocks []int64) {
+	t.Helper()
+	in := mustParams(t, `{"do_remote_decode": true}`)
+	if _, err := p.sched.UpdateStateAfterAlloc(pid, in, nil, []int64{0}, 0); err != nil {
+		t.Fatal(err)
+	}
+	p.step(t)
+	if _, _, err := p.sched.RequestFinished(pid, in, true, 12, BlockIDs{pBlocks}); err != nil {
+		t.Fatal(err)
+	}
+	p.step(t)
+	js, _ := json.Marshal(map[string]any{"do_remote_prefill": true, "remote_engine_id": "engine-p", "remote_host": "127.0.0.1",
+		"remote_port": p.port, "tp_size": len(p.workers), "remote_request_id": "cmpl-tp-0"})
+	dp := mustParams(t, string(js))
+	if n, async := d.sched.GetNumNewMatchedTokens(dp, 12, 0); n != 12 || !async {
+		t.Fatalf("matched %d async %v", n, async)
+	}
+	if _, err := d.sched.UpdateStateAfterAlloc(did, dp, BlockIDs{dBlocks}, []int64{0}, 12); err != nil {
+		t.Fatal(err)
+	}
+	d.step(t)
 }

@@ -35,13 +35,19 @@ func headByte(seed byte, l, b, h, i int) byte {
 	return seed + byte(l*61+b*7+h*29+i%5)
 }
 
-func newTPEngine(t *testing.T, eng nixl.Engine, kvRole, id string, tp, kvHeads int, seed byte, kind string) *tpEngine {
+func newTPEngine(t *testing.T, eng nixl.Engine, kvRole, id string, tp, kvHeads int, seed byte, kind string, mode ...string) *tpEngine {
 	t.Helper()
 	port := freePort(t)
 	cfg := func(role Role, rank int) *Config {
 		c := testConfig(t, role, kvRole, id, port, nil)
 		c.TPSize, c.TPRank = tp, rank
 		c.CompatFactors["num_kv_heads"] = kvHeads
+		if len(mode) > 0 {
+			c.TransferMode = mode[0]
+			if err := c.applyDefaults(); err != nil {
+				t.Fatal(err)
+			}
+		}
 		return c
 	}
 	s, err := NewScheduler(cfg(RoleScheduler, 0), nil)
