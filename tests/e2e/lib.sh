@@ -172,6 +172,17 @@ start_proxy() {
     --prefiller-hosts 127.0.0.1 --prefiller-ports "$3" --decoder-hosts 127.0.0.1 --decoder-ports "$4" ${PROXY_FLAGS[@]+"${PROXY_FLAGS[@]}"}
 }
 
+# interop_push_from_env: with GONIXL_INTEROP_PUSH=1, vLLM's push connector
+# on every instance (GoNixlPushConnector, NixlPushConnector) and
+# gonixl-proxy --push (the interop and TP matrices).
+interop_push_from_env() {
+  if [ "${GONIXL_INTEROP_PUSH:-0}" = 1 ]; then
+    export GONIXL_CONNECTOR=GoNixlPushConnector STOCK_CONNECTOR=NixlPushConnector
+    PROXY_FLAGS=(--push)
+    e2e_say "push mode: GoNixlPushConnector / NixlPushConnector, gonixl-proxy --push"
+  fi
+}
+
 # wait_ready NAME URL: until URL answers, a started process exits, or WAIT passes.
 wait_ready() {
   local deadline=$((SECONDS + WAIT)) pid

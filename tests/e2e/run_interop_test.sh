@@ -70,13 +70,7 @@ done
 # Connector instances: prefill-go, prefill-stock, decode-go, decode-stock, as needed.
 # VLLM_SERVER_DEV_MODE=1 serves /reset_prefix_cache, which test_interop.py
 # calls between combinations.
-# Push mode (GONIXL_INTEROP_PUSH=1): vLLM's push connector on every
-# instance (GoNixlPushConnector, NixlPushConnector) and gonixl-proxy --push.
-if [ "${GONIXL_INTEROP_PUSH:-0}" = 1 ]; then
-  export GONIXL_CONNECTOR=GoNixlPushConnector STOCK_CONNECTOR=NixlPushConnector
-  PROXY_FLAGS=(--push)
-  e2e_say "push mode: GoNixlPushConnector / NixlPushConnector, gonixl-proxy --push"
-fi
+interop_push_from_env
 declare -A PORT SIDE
 LEASE="${GONIXL_INTEROP_LEASE:-120}"
 kv_config() { # kind role

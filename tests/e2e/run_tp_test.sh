@@ -66,6 +66,7 @@ for c in "${_requested[@]}"; do
 done
 [ ${#COMBOS[@]} -gt 0 ] || { e2e_say "GONIXL_TP_COMBOS names no combination"; exit 2; }
 
+interop_push_from_env # GONIXL_INTEROP_PUSH=1: the push connectors and gonixl-proxy --push
 LEASE="${GONIXL_INTEROP_LEASE:-120}"
 # A READ between two processes on one host is served by the prefill's
 # progress thread; with a dozen vLLM processes spinning on 2 cores it was
