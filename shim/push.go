@@ -399,11 +399,18 @@ func (w *Worker) pollPushWaitsLocked() {
 			pw.cancelled = true
 			// A WRITE may still be on its way into these blocks: they stay
 			// held (finished_recving withheld) until it is known that none
-			// will come. A gonixl prefill says so when asked; a stock one
-			// cannot be asked, and writes only while it holds its blocks,
-			// at most its lease after it finished.
-			pw.holdUntil = now + 2*w.cfg.KVLeaseDuration
+			// will come. A gonixl prefill says so when asked. A stock one
+			// cannot be asked and keeps a registration for ever (a later
+			// request with the same client id would match it): the blocks
+			// stay held until that engine is gone, a bounded leak rather
+			// than a WRITE into blocks vLLM gave to another request.
+			pw.holdUntil = math.Inf(1)
+			if re := st.remote; re == nil || !re.gonixl {
+				w.log.Warn("push: a timed-out request's blocks stay held until its stock prefill engine is gone (it cannot be told to drop the registration)",
+					zap.String("request_id", id), zap.String("remote_engine_id", st.meta.Remote.EngineID), zap.Int("blocks", st.meta.LocalBlockIDs.Count()))
+			}
 			if re := st.remote; re != nil && re.gonixl {
+				pw.holdUntil = now + 2*w.cfg.KVLeaseDuration // its answer normally comes at once
 				// The registration again, under another prefix: the prefill
 				// may not know this engine yet, and answers at its address.
 				if msg, err := encodePushReg(w.pushRegOf(st)); err == nil {
