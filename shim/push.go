@@ -395,33 +395,7 @@ func (w *Worker) pollPushWaitsLocked() {
 		if !pw.done && !pw.cancelled && now >= pw.deadline {
 			w.stats.RecordFailedTransfer()
 			w.failLocked(st, "push_registration_timeout", fmt.Sprintf("no WRITE from engine %s within push_registration_timeout=%gs", st.meta.Remote.EngineID, w.cfg.PushRegistrationTimeout), nil)
-			w.reportFailedLocked(st)
-			pw.cancelled = true
-			// A WRITE may still be on its way into these blocks: they stay
-			// held (finished_recving withheld) until it is known that none
-			// will come. A gonixl prefill says so when asked. A stock one
-			// cannot be asked and keeps a registration for ever (a later
-			// request with the same client id would match it): the blocks
-			// stay held until that engine is gone, a bounded leak rather
-			// than a WRITE into blocks vLLM gave to another request.
-			pw.holdUntil = math.Inf(1)
-			if re := st.remote; re == nil || !re.gonixl {
-				w.log.Warn("push: a timed-out request's blocks stay held until its stock prefill engine is gone (it cannot be told to drop the registration)",
-					zap.String("request_id", id), zap.String("remote_engine_id", st.meta.Remote.EngineID), zap.Int("blocks", st.meta.LocalBlockIDs.Count()))
-			}
-			if re := st.remote; re != nil && re.gonixl {
-				pw.holdUntil = now + 2*w.cfg.KVLeaseDuration // its answer normally comes at once
-				// The registration again, under another prefix: the prefill
-				// may not know this engine yet, and answers at its address.
-				if msg, err := encodePushReg(w.pushRegOf(st)); err == nil {
-					msg = append([]byte(pushCancelPrefix), msg[len(pushRegPrefix):]...)
-					for _, a := range re.agents() {
-						if err := w.agent.SendNotif(a, msg); err != nil {
-							w.stats.RecordFailedNotification()
-						}
-					}
-				}
-			}
+			w.cancelPushLocked(st, now)
 		}
 		if pw.cancelled && !pw.done && now >= pw.holdUntil {
 			w.log.Warn("push: giving a timed-out request's blocks back to vLLM without word from the prefill", zap.String("request_id", id),
@@ -435,6 +409,53 @@ func (w *Worker) pollPushWaitsLocked() {
 		w.done.Recving = append(w.done.Recving, id)
 		if st.failed {
 			w.reportFailedLocked(st)
+		}
+	}
+}
+
+// pushAbortedLocked ends the waits of requests vLLM finished (aborted)
+// before their WRITE came, as a timeout would, at once.
+func (w *Worker) pushAbortedLocked(ids []string) {
+	now := w.clock()
+	for _, id := range ids {
+		st, ok := w.recv[id]
+		if !ok || st.push == nil || st.push.done || st.push.cancelled {
+			continue
+		}
+		st.failed = true // its KV never came; vLLM no longer waits for it
+		w.cancelPushLocked(st, now)
+	}
+}
+
+// cancelPushLocked stops waiting for st's WRITE: the failure is reported
+// now, the blocks stay held (finished_recving withheld) until it is known
+// that no WRITE will land in them. A gonixl prefill says so when asked. A
+// stock one cannot be asked and keeps a registration for ever (a later
+// request with the same client id would match it): the blocks stay held
+// until that engine is gone, a bounded leak rather than a WRITE into
+// blocks vLLM gave to another request.
+func (w *Worker) cancelPushLocked(st *recvState, now float64) {
+	pw := st.push
+	w.reportFailedLocked(st)
+	pw.cancelled = true
+	pw.holdUntil = math.Inf(1)
+	re := st.remote
+	if re == nil || !re.gonixl {
+		w.log.Warn("push: a failed request's blocks stay held until its stock prefill engine is gone (it cannot be told to drop the registration)",
+			zap.String("request_id", st.id), zap.String("remote_engine_id", st.meta.Remote.EngineID), zap.Int("blocks", st.meta.LocalBlockIDs.Count()))
+		return
+	}
+	pw.holdUntil = now + 2*w.cfg.KVLeaseDuration // its answer normally comes at once
+	// The registration again, under another prefix: the prefill may not
+	// know this engine yet, and answers at its address.
+	msg, err := encodePushReg(w.pushRegOf(st))
+	if err != nil {
+		return
+	}
+	msg = append([]byte(pushCancelPrefix), msg[len(pushRegPrefix):]...)
+	for _, a := range re.agents() {
+		if err := w.agent.SendNotif(a, msg); err != nil {
+			w.stats.RecordFailedNotification()
 		}
 	}
 }

@@ -477,3 +477,25 @@ func pushTP(t *testing.T, p, d *tpEngine, pid, did string, pBlocks, dBlocks []in
 	}
 	d.step(t)
 }
+
+// A decode request vLLM finishes (aborts) while it waits for the WRITE is
+// failed at once and its blocks released as soon as the prefill confirms,
+// without waiting for push_registration_timeout.
+func TestPushAbortedDecodeCancelsAtOnce(t *testing.T) {
+	clock := NewFakeClock(100)
+	_, p, d := pushPair(t, clock, map[string]any{"push_registration_timeout": 300})
+	pushDecode(t, d, p, "cmpl-ab-0-bbbbbbbb", "cmpl-ab-0", 4, []int64{9}, nil)
+	p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+	dp := mustParams(t, `{"do_remote_prefill": false, "remote_engine_id": "engine-p"}`)
+	if _, _, err := d.sched.RequestFinished("cmpl-ab-0-bbbbbbbb", dp, false, 0, BlockIDs{{9}}); err != nil {
+		t.Fatal(err)
+	}
+	d.step(t)
+	d.waitFinished(t, "failed and released", func(f Finished) bool {
+		p.finished(t)
+		return contains(f.Failed, "cmpl-ab-0-bbbbbbbb") && contains(f.Recving, "cmpl-ab-0-bbbbbbbb")
+	})
+	if len(p.work.pushRegs) != 0 {
+		t.Fatal("the prefill kept the aborted request's registration")
+	}
+}

@@ -36,6 +36,8 @@ type Scheduler struct {
 	hbByEngine        map[string]*hbTarget
 	hbReqEngine       map[string][2]string     // local req id -> (engine, remote req id)
 	pushFinished      map[string]*PushFinished // push mode, prefill: blocks to WRITE, for the next step's metadata
+	pushWaiting       map[string]struct{}      // push mode, decode: registered requests not yet received
+	pushAborted       []string                 // push mode, decode: registered requests that finished first (next step's metadata)
 	lastHeartbeat     float64
 	hbInterval        float64
 	listener          *sidechannel.Listener
@@ -70,6 +72,7 @@ func NewScheduler(cfg *Config, clock Clock) (_ *Scheduler, err error) {
 		hbByEngine:       map[string]*hbTarget{},
 		hbReqEngine:      map[string][2]string{},
 		pushFinished:     map[string]*PushFinished{},
+		pushWaiting:      map[string]struct{}{},
 		// vLLM: kv_lease_duration // 6 (integer seconds).
 		hbInterval: float64(int(cfg.KVLeaseDuration) / 6),
 	}
@@ -257,6 +260,7 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 				PromptDigest:     p.PromptDigest,
 				Remote:           RemoteMeta{Host: p.RemoteHost, Port: p.RemotePort, EngineID: p.RemoteEngineID, RequestID: p.RemoteRequestID},
 			})
+			s.pushWaiting[reqID] = struct{}{}
 		}
 		return true, nil
 	}
@@ -322,6 +326,7 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 	if len(s.pushFinished) > 0 {
 		m.PushFinished = s.pushFinished
 	}
+	m.PushAborted = s.pushAborted
 	if len(s.hbByEngine) > 0 && now-s.lastHeartbeat >= s.hbInterval {
 		s.lastHeartbeat = now
 		m.Heartbeats = make(map[string]*HeartbeatInfo, len(s.hbByEngine))
@@ -347,6 +352,7 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 	s.reqsInBatch = map[string]struct{}{}
 	s.reqsNotProcessed = map[string]struct{}{}
 	s.pushFinished = map[string]*PushFinished{}
+	s.pushAborted = nil
 	return b, nil
 }
 
@@ -365,6 +371,14 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 	isP := p.DoRemoteDecode
 	isD := !isP
 	s.stopHeartbeatLocked(reqID)
+	if _, ok := s.pushWaiting[reqID]; ok {
+		// Finished (aborted) while waiting for the prefill's WRITE: the
+		// worker fails the wait now and asks the prefill to drop the
+		// registration, instead of holding the blocks until
+		// push_registration_timeout.
+		delete(s.pushWaiting, reqID)
+		s.pushAborted = append(s.pushAborted, reqID)
+	}
 	if p.DoRemotePrefill && s.push() {
 		// Never registered (aborted before allocation): the prefill frees
 		// its blocks at its lease, as vLLM's push connector does.
@@ -481,6 +495,7 @@ func (s *Scheduler) UpdateConnectorOutput(finishedRecving []string) {
 	defer s.mu.Unlock()
 	for _, id := range finishedRecving {
 		s.stopHeartbeatLocked(id)
+		delete(s.pushWaiting, id)
 	}
 }
 

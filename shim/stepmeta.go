@@ -76,6 +76,9 @@ type StepMeta struct {
 	// PushFinished (push mode, a prefill): the blocks of each request that
 	// finished this step, to WRITE once its decode registered (push.go).
 	PushFinished map[string]*PushFinished `msgpack:"push_finished,omitempty"`
+	// PushAborted (push mode, a decode): requests vLLM finished while they
+	// waited for the prefill's WRITE.
+	PushAborted []string `msgpack:"push_aborted,omitempty"`
 }
 
 // stepMetaVersion guards against a scheduler and worker from different

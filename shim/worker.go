@@ -319,6 +319,7 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 	w.startReadsLocked(m)
 	w.holdForReadersLocked(m)
 	w.pushFinishedLocked(m)
+	w.pushAbortedLocked(m.PushAborted)
 	w.sendHeartbeatsLocked(m.Heartbeats)
 	return nil
 }
