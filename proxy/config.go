@@ -117,7 +117,7 @@ type Config struct {
 	// Push: the instances run vLLM's push connector (NixlPushConnector or
 	// GoNixlPushConnector): once a prefill's identity is known (its first
 	// answer), the prefill and decode requests are sent at once, tied by
-	// one X-Request-Id (push.go). Toy mode only.
+	// one X-Request-Id (push.go). In multi-turn mode only with ReuseOneway.
 	Push bool
 
 	// ForwardClientKVParams lets a client's own kv_transfer_params reach a
@@ -162,8 +162,8 @@ func (c *Config) validate() error {
 			}
 		}
 	}
-	if c.Push && c.Mode == ModeMultiturn {
-		errs = append(errs, errors.New("push is supported in toy mode only (vLLM's push connector refuses bidirectional transfer)"))
+	if c.Push && c.Mode == ModeMultiturn && c.ReuseMode != ReuseOneway {
+		errs = append(errs, errors.New("push with the multi-turn proxy needs reuse mode oneway (vLLM's push connector refuses bidirectional transfer)"))
 	}
 	if c.Mode != ModeToy && c.Mode != ModeMultiturn {
 		errs = append(errs, fmt.Errorf("unknown mode %d", int(c.Mode)))

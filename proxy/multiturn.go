@@ -33,6 +33,13 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 		})
 	}
 
+	if p.cfg.Push {
+		// Oneway reuse (validated): nothing is cached between turns; each
+		// turn is a push request pair.
+		p.m.cacheMisses.Inc()
+		p.servePush(ex)
+		return
+	}
 	params := []byte(emptyPrefillParams)
 	result := Miss
 	if conv != "" && p.cfg.ReuseMode == ReuseBidirectional {

@@ -94,6 +94,14 @@ func (p *Proxy) servePush(ex *exchange) {
 		}
 		d := ex.body.clone()
 		if kv, ok := kvParams(presp); ok {
+			if p.cfg.Mode == ModeMultiturn {
+				// As the multi-turn proxy does in pull mode: the prefill's
+				// side channel at the host the proxy reaches it at.
+				if b, err := withRemoteHost(kv, pi.Host); err == nil {
+					presp["kv_transfer_params"] = b
+					kv, _ = kvParams(presp)
+				}
+			}
 			p.setPushIdentity(pi, kv)
 			d["kv_transfer_params"] = presp["kv_transfer_params"]
 		} else {

@@ -139,9 +139,41 @@ func TestPushPrefillFailureCancelsDecode(t *testing.T) {
 	}
 }
 
-func TestPushRefusedInMultiturnMode(t *testing.T) {
+func TestPushInMultiturnModeNeedsOneway(t *testing.T) {
 	if _, err := New(Config{Mode: ModeMultiturn, Push: true, Prefill: []Instance{{Host: "a", Port: 1}}, Decode: []Instance{{Host: "b", Port: 2}}}); err == nil {
-		t.Fatal("push with the multi-turn proxy accepted")
+		t.Fatal("push with bidirectional reuse accepted")
+	}
+}
+
+// The multi-turn proxy in push mode (oneway reuse): conversation_id is
+// not forwarded, the prefill's side channel is addressed at the host the
+// proxy reaches the prefill at, and later turns go out at once.
+func TestPushMultiturnOneway(t *testing.T) {
+	pf := newFake(t, "p", pushPrefillHandler("p", nil, nil))
+	decodeSaw := make(chan received, 4)
+	df := newFake(t, "d", func(w http.ResponseWriter, r *http.Request, rec received) {
+		decodeSaw <- rec
+		decodeHandler("d", false)(w, r, rec)
+	})
+	rg := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) {
+		c.Mode, c.Push, c.ReuseMode = ModeMultiturn, true, ReuseOneway
+	})
+	for turn := 0; turn < 2; turn++ {
+		body := map[string]any{"model": "m", "messages": []any{map[string]any{"role": "user", "content": "hi"}}, "conversation_id": "c1"}
+		if code, _, out := rg.post("/v1/chat/completions", body, nil); code != 200 {
+			t.Fatalf("turn %d: %d %s", turn, code, out)
+		}
+		got := <-decodeSaw
+		if _, ok := got.Body["conversation_id"]; ok {
+			t.Fatalf("turn %d: conversation_id reached the decode", turn)
+		}
+		kv := got.Body["kv_transfer_params"].(map[string]any)
+		if kv["remote_host"] != "p.test" {
+			t.Fatalf("turn %d: remote_host %v, want the prefill's host as the proxy reaches it", turn, kv["remote_host"])
+		}
+		if turn == 1 && kv["transfer_mode"] != "push" {
+			t.Fatalf("turn 2 not sent at once: %v", kv)
+		}
 	}
 }
 
