@@ -102,7 +102,9 @@ def where_time_went(request_id: str, started: float, seconds: float, proxy_log: 
 
     parts = []
     route = [ln for ln in read(proxy_log) if request_id in ln and "routing" in ln]
-    if route:
+    if route and '"concurrent": true' in route[0]:
+        parts.append("push: prefill and decode requests sent at once (proxy)")
+    elif route:
         m = re.search(r'"prefill_took": ([0-9.e+-]+)', route[0])
         took = float(m.group(1)) if m else float("nan")
         parts.append(f"prefill leg {took:.1f} s, decode leg {seconds - took:.1f} s (proxy)")
