@@ -29,7 +29,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures"))
-import model_task  # noqa: E402
+import model_task
 
 _rng = random.Random(int(os.environ.get("GONIXL_BENCH_SEED", "7")))
 
@@ -63,7 +63,7 @@ def post(url: str, body: dict, stream: bool) -> tuple[float, float, int]:
 
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def main() -> None:

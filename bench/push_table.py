@@ -22,7 +22,10 @@ def main() -> None:
     print("| prompt tokens | concurrent | deployment | prefill alone p50 ms | TTFT p50 ms | TTFT p90 ms | hand-off p50 ms | end-to-end p50 ms | rounds |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (n, conc, label), cs in sorted(rows.items()):
-        med = lambda k: statistics.median(c[k] for c in cs)  # noqa: E731
+
+        def med(k: str, cs: list[dict] = cs) -> float:
+            return statistics.median(c[k] for c in cs)
+
         print(f"| {int(med('prompt_tokens'))} | {conc} | {label} | {med('prefill_alone_ms_p50'):.0f} | {med('ttft_ms_p50'):.0f} | "
               f"{med('ttft_ms_p90'):.0f} | {med('handoff_ms_p50'):.0f} | {med('e2e_ms_p50'):.0f} | {len(cs)} |")
 
