@@ -646,13 +646,9 @@ func (w *Worker) writeLocked(ps *pushSend, re *remoteEngine) {
 		if rr.list == nil {
 			continue
 		}
-		localList := w.localList
-		if re.plan.nSlots > 1 {
-			// Fewer ranks here than on the decode: this rank's blocks
-			// hold several decode ranks' heads, one slot each.
-			localList = w.slotLists[re.plan.nSlots][rr.slot]
-		}
-		x, err := mk(localList, rr.list, notif)
+		// Fewer ranks here than on the decode: this rank's blocks hold
+		// several decode ranks' heads, one slot each (localListFor).
+		x, err := mk(w.localListFor(re, rr), rr.list, notif)
 		if err != nil {
 			fail("transfer_setup_failed", err)
 			return

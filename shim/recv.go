@@ -157,14 +157,7 @@ func (w *Worker) readLocked(st *recvState) {
 		if rr.list == nil {
 			continue
 		}
-		localList := w.localList
-		if re.plan.nSlots > 1 {
-			localList = w.slotLists[re.plan.nSlots][rr.slot]
-		}
-		if re.blockRatio > 1 {
-			localList = w.subLists[re.blockRatio]
-		}
-		x, err := mk(localList, rr.list, notif)
+		x, err := mk(w.localListFor(re, rr), rr.list, notif)
 		if err != nil {
 			w.stats.RecordFailedTransfer()
 			w.failLocked(st, "transfer_setup_failed", fmt.Sprintf("remote tp_rank %d", rr.tp), err)
@@ -184,6 +177,20 @@ func (w *Worker) readLocked(st *recvState) {
 	// Ranks handshaken with but not read (MLA's single reader, duplicate
 	// GQA heads) are told now that this decode rank is done with them.
 	w.notifyRanksLocked(st, re, notif, read, "Remote rank will not update request state. This may indicate network issues.")
+}
+
+// localListFor is the local descriptor list a transfer with remote rank rr
+// of re uses: every block whole, or (more ranks there than here, for
+// distinct heads) cut in the plan's slots, or (a smaller block size there)
+// in sub-blocks.
+func (w *Worker) localListFor(re *remoteEngine, rr *remoteRank) nixl.DescList {
+	switch {
+	case re.blockRatio > 1:
+		return w.subLists[re.blockRatio]
+	case re.plan.nSlots > 1:
+		return w.slotLists[re.plan.nSlots][rr.slot]
+	}
+	return w.localList
 }
 
 // notifyRanksLocked sends notif to every rank of re not in skip.
