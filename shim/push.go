@@ -226,6 +226,8 @@ func decodePushReg(b []byte) (*pushReg, error) {
 	return r, nil
 }
 
+// asInt64 reads an integer of a loosely decoded msgpack value (int64 or
+// uint64: decodePushReg's decoder gives no other integer types).
 func asInt64(v any) (int64, bool) {
 	switch t := v.(type) {
 	case int64:
@@ -235,9 +237,6 @@ func asInt64(v any) (int64, bool) {
 			return 0, false
 		}
 		return int64(t), true
-	case int8, int16, int32, int, uint8, uint16, uint32:
-		n, err := strconv.ParseInt(fmt.Sprint(t), 10, 64)
-		return n, err == nil
 	}
 	return 0, false
 }
@@ -482,14 +481,13 @@ func (w *Worker) pushWaitGoneLocked(engineID string) {
 // pushSend is a prefill request in push mode: its finished blocks, the
 // registration they go to, and the WRITEs in flight.
 type pushSend struct {
-	id       string // this engine's request id
-	blocks   BlockIDs
-	digest   string // its prompt's digest ("" when not known)
-	reg      *pushReg
-	engine   string // the decode engine's id, once matched
-	xfers    []*inflight
-	waitHS   bool
-	finished float64 // clock when the blocks arrived
+	id     string // this engine's request id
+	blocks BlockIDs
+	digest string // its prompt's digest ("" when not known)
+	reg    *pushReg
+	engine string // the decode engine's id, once matched
+	xfers  []*inflight
+	waitHS bool
 }
 
 // pushFinishedLocked records the step's finished requests' blocks and
@@ -500,7 +498,6 @@ func (w *Worker) pushFinishedLocked(m *StepMeta) {
 		ids = append(ids, id)
 	}
 	sort.Strings(ids)
-	now := w.clock()
 	for _, id := range ids {
 		if _, ok := w.toProcess[id]; !ok {
 			continue
@@ -509,7 +506,7 @@ func (w *Worker) pushFinishedLocked(m *StepMeta) {
 			continue
 		}
 		pf := m.PushFinished[id]
-		ps := &pushSend{id: id, blocks: pf.Blocks, digest: pf.PromptDigest, finished: now}
+		ps := &pushSend{id: id, blocks: pf.Blocks, digest: pf.PromptDigest}
 		w.pushSends[id] = ps
 		w.pushOrder = append(w.pushOrder, id)
 		if reg := w.takeRegLocked(id); reg != nil {
