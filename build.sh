@@ -352,7 +352,22 @@ cmd_bench_push() {
   cmd_setup
   cmd_build
   export GONIXL_LIB_PATH="$LIB"
-  bash bench/run_push_bench.sh
+  bash bench/run_vllm_bench.sh push
+}
+
+## bench [PART...]: gonixl vs vLLM's stock NixlConnector, side by side (docs/BENCHMARKS.md); PART: vllm (default: all)
+cmd_bench() {
+  cmd_setup
+  cmd_build
+  export GONIXL_LIB_PATH="$LIB"
+  local parts=("$@") part
+  ((${#parts[@]})) || parts=(vllm)
+  for part in "${parts[@]}"; do
+    case "$part" in
+      vllm) bash bench/run_vllm_bench.sh connector ;;
+      *) die "bench: unknown part $part (vllm)" ;;
+    esac
+  done
 }
 
 ## demo: the main job (setup and build first)
@@ -395,6 +410,7 @@ main() {
     gpu-bundle) cmd_gpu_bundle "$@" ;;
     bench-multiturn) cmd_bench_multiturn "$@" ;;
     bench-push) cmd_bench_push "$@" ;;
+    bench) cmd_bench "$@" ;;
     *) cmd_help >&2; die "unknown subcommand: $sub" ;;
   esac
 }

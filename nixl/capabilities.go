@@ -19,6 +19,18 @@ type EndpointDescriber interface {
 	EndpointInfo() string
 }
 
+// ControlBusy is an agent whose calls wait for one another (one lock
+// around a native agent that is not thread-safe: the NIXL engine).
+// ControlBusy reports whether a call that can take long is running or
+// waiting to run: loading a peer's metadata, preparing or releasing a
+// descriptor list, registering memory. NIXL's metadata load of a new peer
+// took 4.8 s on a loaded host, and a poll from vLLM's model thread waited
+// behind it; a caller on that thread puts its own calls off while the
+// agent is busy instead.
+type ControlBusy interface {
+	ControlBusy() bool
+}
+
 // NotifDropCounter is an agent that counts received notifications it had
 // to drop (malformed or over its size limit).
 type NotifDropCounter interface {

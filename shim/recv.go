@@ -104,6 +104,11 @@ func (w *Worker) readLocked(st *recvState) {
 		w.startHandshakeLocked(rm.EngineID, rm.Host, rm.Port, st.meta.TPSize, st.id)
 		return
 	}
+	if w.engineBusyLocked() {
+		// Another peer's first contact holds the agent: post next time.
+		w.deferReadLocked(st)
+		return
+	}
 	st.waiting = false
 	st.remote = re
 	w.touchRemoteLocked(re)

@@ -99,9 +99,16 @@ type Worker struct {
 	engineOverride nixl.Engine // tests: bypass Select
 	loggedLanes    bool
 
-	remotes     map[string]*remoteEngine
-	handshakes  map[string]*handshakeState
-	recv        map[string]*recvState
+	remotes    map[string]*remoteEngine
+	handshakes map[string]*handshakeState
+	recv       map[string]*recvState
+	// deferred: requests whose READ waits for the agent to finish a long
+	// control call (busy.go); busySince, busyLogged, busySkips: the busy
+	// period, for its log line.
+	deferred    []string
+	busySince   float64
+	busyLogged  bool
+	busySkips   int64
 	done        Finished
 	invalid     map[int64]struct{}
 	toProcess   map[string]struct{}
@@ -320,7 +327,11 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 	w.holdForReadersLocked(m)
 	w.pushFinishedLocked(m)
 	w.pushAbortedLocked(m.PushAborted)
-	w.sendHeartbeatsLocked(m.Heartbeats)
+	if !w.engineBusyLocked() {
+		// Put off with the polls (busy.go); the next heartbeat is one
+		// interval away, well inside the leases it extends.
+		w.sendHeartbeatsLocked(m.Heartbeats)
+	}
 	return nil
 }
 
@@ -329,7 +340,8 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 func (w *Worker) GetFinished() ([]byte, error) {
 	defer w.lockTimed("get_finished")()
 	w.notePollLocked()
-	if w.agent != nil {
+	if w.agent != nil && !w.engineBusyLocked() {
+		w.postDeferredLocked()
 		t0 := time.Now()
 		w.pollTransfersLocked()
 		t1 := time.Now()

@@ -15,17 +15,25 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	"github.com/gonixl/gonixl/nixl"
 )
 
-// This engine's agent provides no optional capability (nixl/capabilities.go).
-var _ nixl.Agent = (*agent)(nil)
+// This engine's agent reports its long control calls (nixl/capabilities.go).
+var (
+	_ nixl.Agent       = (*agent)(nil)
+	_ nixl.ControlBusy = (*agent)(nil)
+)
 
 // agent is one NIXL agent. mu serialises every call into NIXL.
 type agent struct {
-	mu       sync.Mutex
+	mu sync.Mutex
+	// control counts the control calls (metadata loads, list preparation
+	// and release, memory registration) running or waiting for mu:
+	// ControlBusy.
+	control  atomic.Int32
 	h        unsafe.Pointer // nixl_capi_agent_t
 	nmap     unsafe.Pointer // reusable notification map
 	name     string
@@ -64,6 +72,21 @@ func (a *agent) Engine() string { return "nixl" }
 // because their plugin is missing.
 func (a *agent) Backends() (created, skipped []string) {
 	return append([]string(nil), a.backends...), append([]string(nil), a.skipped...)
+}
+
+// ControlBusy reports a control call running or waiting for the agent's
+// lock (nixl.ControlBusy).
+func (a *agent) ControlBusy() bool { return a.control.Load() > 0 }
+
+// lockControl takes the agent's lock for a control call, counted in
+// control from before it waits until it returns the lock.
+func (a *agent) lockControl() (unlock func()) {
+	a.control.Add(1)
+	a.mu.Lock()
+	return func() {
+		a.mu.Unlock()
+		a.control.Add(-1)
+	}
 }
 
 func (a *agent) check(op string) error {
@@ -121,8 +144,7 @@ func descPtr(d []nixl.Desc) *C.uint64_t {
 }
 
 func (a *agent) regMem(op string, mem nixl.MemType, regions []nixl.Region, dereg int) error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	defer a.lockControl()()
 	if err := a.check(op); err != nil {
 		return err
 	}
@@ -161,8 +183,7 @@ func (a *agent) LocalMetadata() ([]byte, error) {
 }
 
 func (a *agent) LoadRemoteMetadata(md []byte) (string, error) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	defer a.lockControl()()
 	if err := a.check("LoadRemoteMetadata"); err != nil {
 		return "", err
 	}
@@ -180,8 +201,7 @@ func (a *agent) LoadRemoteMetadata(md []byte) (string, error) {
 }
 
 func (a *agent) InvalidateRemote(name string) error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	defer a.lockControl()()
 	if err := a.check("InvalidateRemote"); err != nil {
 		return err
 	}
@@ -194,8 +214,7 @@ func (a *agent) InvalidateRemote(name string) error {
 }
 
 func (a *agent) PrepDescList(remote string, mem nixl.MemType, descs []nixl.Desc) (nixl.DescList, error) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	defer a.lockControl()()
 	if err := a.check("PrepDescList"); err != nil {
 		return nil, err
 	}
@@ -236,8 +255,7 @@ func (l *descList) Agent() string { return l.remote }
 
 func (l *descList) Release() error {
 	a := l.a
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	defer a.lockControl()()
 	if l.released {
 		return nixl.Errorf(nixl.ErrInvalidParam, "DescList.Release", "list already released")
 	}

@@ -56,5 +56,9 @@
 // Concurrency: an agent serialises every call into NIXL with its own mutex
 // (NIXL agents are created with NIXL_THREAD_SYNC_NONE, as NIXL's Python API
 // does); agents are independent. With AgentConfig.ProgressThread NIXL's own
-// progress thread moves data and notifications between calls.
+// progress thread moves data and notifications between calls. A control
+// call (loading a peer's metadata, preparing or releasing a descriptor
+// list, registering memory) can hold that mutex for seconds; the agent
+// reports one running or waiting (nixl.ControlBusy), and the shim puts off
+// the polls and posts of vLLM's model thread meanwhile (shim/busy.go).
 package libnixl

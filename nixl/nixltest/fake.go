@@ -8,6 +8,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gonixl/gonixl/nixl"
@@ -52,6 +53,10 @@ type Script struct {
 	// engine's lock held: a test can make a preparation slow and check
 	// what keeps running meanwhile.
 	PrepHook func(remote string, n int)
+	// ControlBusy makes the agent report nixl.ControlBusy while a
+	// PrepDescList (its PrepHook included) or LoadRemoteMetadata runs, as
+	// the NIXL engine does; off, it never reports busy.
+	ControlBusy bool
 }
 
 // Call is one recorded API call.
@@ -176,11 +181,12 @@ func (e *Engine) NewAgent(cfg nixl.AgentConfig) (nixl.Agent, error) {
 
 // Agent is a fake agent. All methods take the engine's lock.
 type Agent struct {
-	e      *Engine
-	cfg    nixl.AgentConfig
-	script Script
-	closed bool
-	dead   bool
+	e       *Engine
+	cfg     nixl.AgentConfig
+	script  Script
+	closed  bool
+	dead    bool
+	control atomic.Int32 // control calls running (Script.ControlBusy)
 
 	regs    map[nixl.MemType][]nixl.Region
 	remotes map[string]*remoteInfo
@@ -356,7 +362,23 @@ func (a *Agent) LocalMetadata() ([]byte, error) {
 	return append([]byte(mdMagic), js...), nil
 }
 
+// ControlBusy implements nixl.ControlBusy (Script.ControlBusy).
+func (a *Agent) ControlBusy() bool { return a.control.Load() > 0 }
+
+// controlCall counts a control call for ControlBusy when the script asks.
+func (a *Agent) controlCall() (done func()) {
+	a.e.mu.Lock()
+	on := a.script.ControlBusy
+	a.e.mu.Unlock()
+	if !on {
+		return func() {}
+	}
+	a.control.Add(1)
+	return func() { a.control.Add(-1) }
+}
+
 func (a *Agent) LoadRemoteMetadata(md []byte) (string, error) {
+	defer a.controlCall()()
 	a.e.mu.Lock()
 	defer a.e.mu.Unlock()
 	a.record("LoadRemoteMetadata", "%d bytes", len(md))
@@ -420,6 +442,7 @@ func covered(regs []nixl.Region, d nixl.Desc) bool {
 }
 
 func (a *Agent) PrepDescList(agent string, mem nixl.MemType, descs []nixl.Desc) (nixl.DescList, error) {
+	defer a.controlCall()()
 	a.e.mu.Lock()
 	hook := a.script.PrepHook
 	a.e.mu.Unlock()

@@ -313,3 +313,17 @@ def test_every_handle_function_rejects_bad_handles(name, restype, argtypes):
         st = getattr(lib, name)(h, *_dummy_args(argtypes), ctypes.byref(err))
         assert st == want, f"{name}({h:#x}) returned {st}: {err.message!r}"
     assert gonixl.library_version()  # not poisoned
+
+
+def test_hot_calls_keep_the_gil():
+    # Per-step calls go through ctypes.PyDLL (the GIL stays held: taking it
+    # back after a CDLL call waits for vLLM's other threads); the rest
+    # through CDLL, which releases it for calls that may take long.
+    _lib.lib()
+    names = {p[0] for p in _lib.PROTOTYPES}
+    assert _lib.HOT <= names, _lib.HOT - names
+    for name in _lib.HOT:
+        assert _lib._hot[name]._flags_ & ctypes._FUNCFLAG_PYTHONAPI, name
+    for name in ("gonixl_worker_register_kv_caches", "gonixl_scheduler_new", "gonixl_worker_close"):
+        assert name not in _lib.HOT
+        assert not getattr(_lib.lib(), name)._flags_ & ctypes._FUNCFLAG_PYTHONAPI, name

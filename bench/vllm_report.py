@@ -1,0 +1,289 @@
+"""Tables and plots of ./build.sh bench / bench-push (bench/run_vllm_bench.sh).
+
+Reads DIR/raw/<deployment>-<round>/: client.json (bench/vllm_bench.py: every
+request's wall-clock timeline, each case's window, the NIXL histograms'
+change) and {prefill,decode}/*.jsonl (bench/timed_connector.py: each engine
+step's time inside the connector, per role; each request's prefill finish and
+decode KV-ready times). Samples of all rounds are pooled per deployment and
+case. Writes DIR/report.md (also printed) and DIR/*.png.
+
+Usage: vllm_report.py --set connector|push [--cmd TEXT] DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Iterable
+
+
+def pct(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..1); NaN for no samples."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q * len(xs) + 0.5)) - 1))]
+
+
+def load(dirpath: str) -> dict[str, list[dict]]:
+    """deployment label -> its rounds, each {client, steps, reqs}."""
+    runs: dict[str, list[dict]] = collections.defaultdict(list)
+    for d in sorted(glob.glob(os.path.join(dirpath, "raw", "*"))):
+        cpath = os.path.join(d, "client.json")
+        if not os.path.exists(cpath):
+            print(f"vllm_report: {d} has no client.json (run incomplete); left out", file=sys.stderr)
+            continue
+        with open(cpath) as f:
+            client = json.load(f)
+        steps: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
+        reqs: dict[str, list[dict]] = {"prefill": [], "decode": []}
+        for inst in ("prefill", "decode"):
+            for p in glob.glob(os.path.join(d, inst, "*.jsonl")):
+                with open(p) as f:
+                    for line in f:
+                        rec = json.loads(line)
+                        if rec["k"] == "step":
+                            steps[(inst, rec["r"])].append(rec)
+                        else:
+                            reqs[inst].append(rec)
+        runs[client["label"]].append({"client": client, "steps": steps, "reqs": reqs})
+    return runs
+
+
+def match(reqs: list[dict], rid: str) -> dict | None:
+    """The connector's record of the request the client sent as RID (vLLM's id embeds it)."""
+    for r in reqs:
+        if rid in r["id"]:
+            return r
+    return None
+
+
+class Case:
+    """Pooled samples of one deployment and case."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.e2e: list[float] = []
+        self.handoff: list[float] = []
+        self.kv_ready: list[float] = []
+        self.step: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        self.metrics: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+        self.unmatched = 0
+        self.errors: list[str] = []
+        self.texts: dict[int, str] = {}
+
+
+def collect(runs: dict[str, list[dict]]) -> dict[tuple[str, int, int], Case]:
+    cases: dict[tuple[str, int, int], Case] = collections.defaultdict(Case)
+    for label, rounds in runs.items():
+        for rnd in rounds:
+            pre = rnd["reqs"]["prefill"]
+            dec = rnd["reqs"]["decode"]
+            for c in rnd["client"]["cases"]:
+                k = (label, c["prompt_len"], c["concurrency"])
+                cs = cases[k]
+                for i, r in enumerate(c["requests"]):
+                    if "error" in r:
+                        cs.errors.append(r["error"])
+                        continue
+                    cs.ttft.append(r["first"] - r["sent"])
+                    cs.e2e.append(r["end"] - r["sent"])
+                    cs.texts.setdefault(i, r["text"])
+                    p, d = match(pre, r["id"]), match(dec, r["id"])
+                    if p is None or d is None or "fin" not in p:
+                        cs.unmatched += 1
+                        continue
+                    cs.handoff.append(r["first"] - p["fin"])
+                    if "ready" in d and "arr" in d:
+                        cs.kv_ready.append(d["ready"] - d["arr"])
+                for (inst, role), recs in rnd["steps"].items():
+                    cs.step[(inst, role)].extend(s["s"] for s in recs if c["start"] <= s["t"] <= c["end"])
+                for inst, m in c.get("metrics", {}).items():
+                    for mk, v in m.items():
+                        cs.metrics[inst][mk] += v
+    return cases
+
+
+def ms(x: float) -> str:
+    return "–" if x != x else f"{x * 1e3:.0f}"
+
+
+def us(x: float) -> str:
+    return "–" if x != x else f"{x * 1e6:.0f}"
+
+
+def versions() -> str:
+    out = []
+    for mod in ("vllm", "nixl"):
+        try:
+            from importlib.metadata import version
+
+            out.append(f"{mod} {version(mod if mod != 'nixl' else 'nixl')}")
+        except Exception:  # noqa: BLE001 - a missing distribution is reported, not fatal
+            out.append(f"{mod} ?")
+    try:
+        go = subprocess.run(["go", "version"], capture_output=True, text=True, check=False).stdout.split()[2]
+    except (OSError, IndexError):
+        go = "go ?"
+    return ", ".join(out + [go, f"Python {platform.python_version()}"])
+
+
+def table(rows: Iterable[list[str]], head: list[str]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def report(dirpath: str, setname: str, cmd: str) -> str:
+    runs = load(dirpath)
+    cases = collect(runs)
+    labels = list(runs)
+    base = "stock" if "stock" in labels else ("stock-pull" if "stock-pull" in labels else labels[0])
+    keys = sorted({(n, c) for (_, n, c) in cases})
+    out = [
+        f"Command: `{cmd}`. Date {time.strftime('%Y-%m-%d')}; host {platform.node()} ({os.cpu_count()} vCPUs); {versions()}.",
+        f"Deployments (rounds each): " + ", ".join(f"{l} ({len(runs[l])})" for l in labels) + ". Samples of all rounds pooled.",
+        "",
+        "**Latency through gonixl-proxy** (ms; TTFT and end-to-end from the client; hand-off = the client's first "
+        "decode token minus the prefill's request_finished; KV ready = the decode's request arrival to the "
+        "connector reporting its KV received):",
+        "",
+    ]
+    rows = []
+    for n, c in keys:
+        for l in labels:
+            cs = cases.get((l, n, c))
+            if cs is None:
+                continue
+            rows.append(
+                [str(n), str(c), l, f"{len(cs.ttft)}" + (f" ({len(cs.errors)} failed)" if cs.errors else ""), ms(pct(cs.ttft, 0.5)), ms(pct(cs.ttft, 0.99)), ms(pct(cs.e2e, 0.5)), ms(pct(cs.e2e, 0.99)),
+                 ms(pct(cs.handoff, 0.5)), ms(pct(cs.handoff, 0.99)), ms(pct(cs.kv_ready, 0.5)), ms(pct(cs.kv_ready, 0.99)),
+                 _ratio(pct(cs.ttft, 0.99), pct(cases[(base, n, c)].ttft, 0.99)) if (base, n, c) in cases and l != base else ""]
+            )
+    out.append(table(rows, ["prompt", "conc", "deployment", "requests", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99",
+                            "hand-off p50", "hand-off p99", "KV ready p50", "KV ready p99", f"TTFT p99 ÷ {base}"]))
+    out += ["", "**Connector time per engine step** (µs inside the connector's methods, mean / p50 / p99 over the "
+            "steps in the case's window; scheduler side and worker side of each instance):", ""]
+    rows = []
+    for n, c in keys:
+        for l in labels:
+            cs = cases.get((l, n, c))
+            if cs is None:
+                continue
+            row = [str(n), str(c), l]
+            for side in (("prefill", "scheduler"), ("prefill", "worker"), ("decode", "scheduler"), ("decode", "worker")):
+                xs = cs.step.get(side, [])
+                row.append(f"{us(statistics.fmean(xs) if xs else float('nan'))} / {us(pct(xs, 0.5))} / {us(pct(xs, 0.99))} ({len(xs)})")
+            bs = cases.get((base, n, c))
+            if bs is not None and l != base:
+                row.append(" / ".join(_ratio(_mean(cs.step.get(s, [])), _mean(bs.step.get(s, []))) for s in (("decode", "scheduler"), ("decode", "worker"))))
+            else:
+                row.append("")
+            rows.append(row)
+    out.append(table(rows, ["prompt", "conc", "deployment", "P scheduler", "P worker", "D scheduler", "D worker", f"D sched / worker mean ÷ {base}"]))
+    out += ["", "**Transfers** (vLLM's NIXL histograms, change over the case, on the instance that posted them):", ""]
+    rows = []
+    for n, c in keys:
+        for l in labels:
+            cs = cases.get((l, n, c))
+            if cs is None:
+                continue
+            for inst in ("decode", "prefill"):
+                m = cs.metrics.get(inst, {})
+                cnt = m.get("vllm:nixl_num_descriptors_count", 0.0)
+                if cnt <= 0:
+                    continue
+                descs = m.get("vllm:nixl_num_descriptors_sum", 0.0) / cnt
+                byts = m.get("vllm:nixl_bytes_transferred_sum", 0.0) / max(1.0, m.get("vllm:nixl_bytes_transferred_count", 0.0))
+                xfer = m.get("vllm:nixl_xfer_time_seconds_sum", 0.0) / max(1.0, m.get("vllm:nixl_xfer_time_seconds_count", 0.0))
+                rows.append([str(n), str(c), l, inst, f"{cnt:.0f}", f"{descs:.1f}", f"{byts / 1024:.0f}", f"{byts / max(descs, 1e-9) / 1024:.1f}", f"{xfer * 1e3:.2f}"])
+    out.append(table(rows, ["prompt", "conc", "deployment", "posted by", "transfers", "descriptors / transfer", "KiB / transfer", "KiB / descriptor", "xfer time ms (mean)"]))
+    # Same prompts, same order in every deployment (one seed): greedy outputs should agree.
+    diff = []
+    for n, c in keys:
+        ref = cases.get((base, n, c))
+        for l in labels:
+            cs = cases.get((l, n, c))
+            if ref is None or cs is None or l == base:
+                continue
+            d = sum(1 for i, t in cs.texts.items() if ref.texts.get(i) is not None and ref.texts[i] != t)
+            if d:
+                diff.append(f"{l} {n}×{c}: {d} of {len(cs.texts)}")
+    unmatched = sum(cs.unmatched for cs in cases.values())
+    out += ["", f"Outputs compared with {base}'s for the same prompts (greedy): " + ("all equal." if not diff else "differ in " + "; ".join(diff) + ".")]
+    errs = [(k, e) for k, cs in cases.items() for e in cs.errors]
+    if errs:
+        out.append(f"Failed requests: {len(errs)} (" + "; ".join(f"{k[0]} {k[1]}×{k[2]}: {e[:120]}" for k, e in errs[:5]) + "). "
+                   "Failed requests are left out of the latency columns.")
+    if unmatched:
+        out.append(f"Requests without a connector record on both instances (left out of hand-off and KV ready): {unmatched}.")
+    plots(dirpath, labels, cases, keys)
+    return "\n".join(out) + "\n"
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def _ratio(a: float, b: float) -> str:
+    if a != a or b != b or b == 0:
+        return "–"
+    return f"{a / b:.2f}×"
+
+
+def plots(dirpath: str, labels: list[str], cases: dict[tuple[str, int, int], Case], keys: list[tuple[int, int]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({n for n, _ in keys})
+    concs = sorted({c for _, c in keys})
+
+    def lines(fname: str, title: str, ylabel: str, series: Any, log: bool = False) -> None:
+        fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4), squeeze=False)
+        for ax, n in zip(axes[0], lengths):
+            for l in labels:
+                for q, style in ((0.5, "-o"), (0.99, "--x")):
+                    ys = [series(cases[(l, n, c)], q) if (l, n, c) in cases else float("nan") for c in concs]
+                    ax.plot(concs, ys, style, label=f"{l} p{int(q * 100)}")
+            ax.set_title(f"{title}, {n}-token prompts")
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel(ylabel)
+            ax.set_xscale("log", base=2)
+            if log:
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(dirpath, fname), dpi=110)
+        plt.close(fig)
+
+    lines("ttft.png", "TTFT", "ms", lambda cs, q: pct(cs.ttft, q) * 1e3)
+    lines("handoff.png", "Hand-off", "ms", lambda cs, q: pct(cs.handoff, q) * 1e3)
+    lines("connector_step.png", "Decode connector time per step (scheduler + worker)", "µs",
+          lambda cs, q: (pct(cs.step.get(("decode", "scheduler"), []), q) + pct(cs.step.get(("decode", "worker"), []), q)) * 1e6, log=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--set", default="connector")
+    ap.add_argument("--cmd", default="./build.sh bench")
+    ap.add_argument("dir")
+    a = ap.parse_args()
+    text = report(a.dir, a.set, a.cmd)
+    with open(os.path.join(a.dir, "report.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+package shim
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/nixl/nixltest"
+)
+
+var _ nixl.ControlBusy = (*nixltest.Agent)(nil)
+
+// countCalls counts the recorded calls named op on the agent of engine id.
+func countCalls(eng *nixltest.Engine, id, op string) int {
+	n := 0
+	for _, a := range eng.Agents() {
+		if !strings.HasPrefix(a.Name(), id+"-") {
+			continue
+		}
+		for _, c := range a.Calls() {
+			if c.Op == op {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// An agent that serialises its calls (the NIXL engine) reports a control
+// call in progress; while it does, the decode's polls and posts from vLLM's
+// model thread are put off rather than made to wait behind it, and resume
+// once it ends: nothing is lost.
+func TestPollsAndPostsWaitOutAControlCall(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	gate, entered := make(chan struct{}), make(chan struct{}, 1)
+	eng.SetScript(nixltest.Script{Polls: 2, ControlBusy: true, PrepHook: func(remote string, n int) {
+		if strings.HasPrefix(remote, "engine-p2-") {
+			entered <- struct{}{}
+			<-gate
+		}
+	}})
+	p1 := newSide(t, eng, "kv_producer", "engine-p1", nil, 1, nil)
+	p2 := newSide(t, eng, "kv_producer", "engine-p2", nil, 50, nil)
+	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
+	defer func() {
+		select {
+		case <-gate:
+		default:
+			close(gate)
+		}
+	}()
+	load := func(p *side, preq, dreq string, pb, db []int64) {
+		out := prefill(t, p, preq, pb, 12)
+		dp := mustParams(t, string(out))
+		d.sched.OnNewRequest(dreq, dp)
+		d.sched.GetNumNewMatchedTokens(dp, 12, 0)
+		if _, err := d.sched.UpdateStateAfterAlloc(dreq, dp, BlockIDs{db}, []int64{0}, 12); err != nil {
+			t.Fatal(err)
+		}
+		d.step(t)
+	}
+	// Engine p1 known: its first request completes as usual.
+	load(p1, "req-1", "req-a", []int64{1, 2, 3}, []int64{4, 5, 6})
+	d.waitFinished(t, "req-a", func(f Finished) bool { return contains(f.Recving, "req-a") })
+
+	// First contact with p2, its preparation held: the agent is busy.
+	load(p2, "req-2", "req-b", []int64{7, 8, 9}, []int64{10, 11, 12})
+	select {
+	case <-entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("engine-p2's descriptor preparation never started")
+	}
+	// A request for the known engine p1 arrives meanwhile: put off.
+	load(p1, "req-3", "req-c", []int64{7, 8, 9}, []int64{13, 14, 15})
+	d.work.mu.Lock()
+	st := d.work.recv["req-c"]
+	deferred := st != nil && st.waiting && len(st.xfers) == 0 && len(d.work.deferred) == 1
+	d.work.mu.Unlock()
+	if !deferred {
+		t.Fatalf("req-c's READ was not put off while the agent was busy: %+v", st)
+	}
+	checks, notifs := countCalls(eng, "engine-d", "Check"), countCalls(eng, "engine-d", "GetNotifs")
+	for i := 0; i < 3; i++ {
+		if f := d.finished(t); len(f.Recving)+len(f.Failed) != 0 {
+			t.Fatalf("get_finished while busy reported %+v", f)
+		}
+	}
+	if c, n := countCalls(eng, "engine-d", "Check"), countCalls(eng, "engine-d", "GetNotifs"); c != checks || n != notifs {
+		t.Fatalf("get_finished called the busy agent: Check %d->%d, GetNotifs %d->%d", checks, c, notifs, n)
+	}
+
+	// The preparation ends: both requests complete, with the right bytes.
+	close(gate)
+	d.waitFinished(t, "req-b and req-c after the control call", func(f Finished) bool {
+		return contains(f.Recving, "req-b") && contains(f.Recving, "req-c")
+	})
+	for i := 0; i < 3; i++ {
+		if !bytes.Equal(d.kv.block(0, 0, 13+i), p1.kv.block(0, 0, 7+i)) {
+			t.Fatalf("req-c block %d not transferred", i)
+		}
+	}
+	for i := 0; i < 3; i++ {
+		if !bytes.Equal(d.kv.block(0, 0, 10+i), p2.kv.block(0, 0, 7+i)) {
+			t.Fatalf("req-b block %d not transferred", i)
+		}
+	}
+}
