@@ -99,6 +99,7 @@ run_one() { # label impl engine mode round
   "$PY" "$ROOT/bench/vllm_bench.py" --proxy "http://127.0.0.1:$X_PORT" --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" \
     --model "$MODEL" --label "$label" --lengths "$LENGTHS" --concurrency "$CONC" \
     --min-requests "${GONIXL_BENCH_MIN_REQUESTS:-16}" --out "$dir/client.json"
+  sleep 3 # the connector wrapper writes its last records once a second
   stop_all
 }
 

@@ -189,6 +189,23 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
                 row.append("")
             rows.append(row)
     out.append(table(rows, ["prompt", "conc", "deployment", "P scheduler", "P worker", "D scheduler", "D worker", f"D sched / worker mean ÷ {base}"]))
+    out += ["", "**Connector time per request** (µs: all time inside the connector on both instances during the "
+            "case, scheduler and worker sides, divided by the case's requests; a stock decode steps its engine "
+            "many more times while it waits for KV, so per step and per request tell different stories):", ""]
+    rows = []
+    for n, c in keys:
+        for l in labels:
+            cs = cases.get((l, n, c))
+            if cs is None or not cs.ttft:
+                continue
+            per = {inst: sum(sum(cs.step.get((inst, r), [])) for r in ("scheduler", "worker")) / len(cs.ttft) for inst in ("prefill", "decode")}
+            bs = cases.get((base, n, c))
+            ratio = ""
+            if bs is not None and bs.ttft and l != base:
+                bper = sum(sum(bs.step.get((i, r), [])) for i in ("prefill", "decode") for r in ("scheduler", "worker")) / len(bs.ttft)
+                ratio = _ratio(per["prefill"] + per["decode"], bper)
+            rows.append([str(n), str(c), l, us(per["prefill"]), us(per["decode"]), us(per["prefill"] + per["decode"]), ratio])
+    out.append(table(rows, ["prompt", "conc", "deployment", "prefill", "decode", "both", f"both ÷ {base}"]))
     out += ["", "**Transfers** (vLLM's NIXL histograms, change over the case, on the instance that posted them):", ""]
     rows = []
     for n, c in keys:

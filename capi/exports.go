@@ -244,7 +244,7 @@ func gonixl_scheduler_update_state_after_alloc(h C.gonixl_scheduler_t, reqID *C.
 //export gonixl_scheduler_build_meta
 func gonixl_scheduler_build_meta(h C.gonixl_scheduler_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
-		return consume(pendingKey{uint64(h), "build_meta", ""}, buf, lenp, s.BuildMeta)
+		return consume(pendingKey{uint64(h), "build_meta", ""}, buf, lenp, s.BuildMetaOrIdle)
 	})
 }
 
@@ -386,6 +386,9 @@ func gonixl_worker_handshake_payload(h C.gonixl_worker_t, buf *C.char, lenp *C.s
 //export gonixl_worker_start_load_kv
 func gonixl_worker_start_load_kv(h C.gonixl_worker_t, meta *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return onWorker(h, cerr, func(w *shim.Worker) error {
+		if n == 0 {
+			return nil // an idle step (gonixl_scheduler_build_meta's empty answer)
+		}
 		b, err := readIn(meta, n, "meta")
 		if err != nil {
 			return err

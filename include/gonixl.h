@@ -123,7 +123,10 @@ gonixl_status_t gonixl_scheduler_update_state_after_alloc(gonixl_scheduler_t h,
                                                           int32_t *out_mutated, gonixl_error_t *err);
 
 /* build_connector_meta: this step's metadata for the workers (opaque bytes).
- * Size-negotiated; a result that did not fit is kept for the retry. */
+ * Size-negotiated; a result that did not fit is kept for the retry. Zero
+ * bytes: an idle step (no work, no timer pending): the workers have nothing
+ * to do (gonixl_worker_start_load_kv with meta_len 0 returns OK at once), and
+ * until another gonixl_scheduler_* call every later step is idle too. */
 gonixl_status_t gonixl_scheduler_build_meta(gonixl_scheduler_t h, char *buf, size_t *len,
                                             gonixl_error_t *err);
 

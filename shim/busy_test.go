@@ -107,3 +107,53 @@ func TestPollsAndPostsWaitOutAControlCall(t *testing.T) {
 		}
 	}
 }
+
+// The C ABI's build_meta answers nil for an idle step, and only then: a
+// step with work, or while a heartbeat is scheduled, gets real metadata.
+func TestBuildMetaOrIdle(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
+	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
+	idle := func(sd *side, want bool, when string) {
+		t.Helper()
+		b, err := sd.sched.BuildMetaOrIdle()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if (b == nil) != want {
+			t.Fatalf("%s: idle %v, want %v (%d bytes)", when, b == nil, want, len(b))
+		}
+		if b != nil {
+			if err := sd.work.StartLoadKV(b); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	idle(p, true, "fresh prefill")
+	idle(d, true, "fresh decode")
+	out := prefill(t, p, "req-1", []int64{1, 2, 3}, 12)
+	// prefill() handed req-1's held blocks to the worker in its last step:
+	// their lease is the worker's (polled by get_finished), the scheduler
+	// has nothing left.
+	idle(p, true, "prefill after handing req-1 to its worker")
+	dp := mustParams(t, string(out))
+	d.sched.OnNewRequest("req-a", dp)
+	idle(d, false, "decode with a heartbeat scheduled for req-a")
+	d.sched.GetNumNewMatchedTokens(dp, 12, 0)
+	if _, err := d.sched.UpdateStateAfterAlloc("req-a", dp, BlockIDs{{4, 5, 6}}, []int64{0}, 12); err != nil {
+		t.Fatal(err)
+	}
+	idle(d, false, "decode with req-a to read")
+	d.waitFinished(t, "req-a", func(f Finished) bool { return contains(f.Recving, "req-a") })
+	d.sched.UpdateConnectorOutput([]string{"req-a"})
+	if _, _, err := d.sched.RequestFinished("req-a", dp, true, 12, BlockIDs{{4, 5, 6}}); err != nil {
+		t.Fatal(err)
+	}
+	// These params were never marked processed (vLLM's scheduler does that
+	// on the request's own copy): the finish looks like an abort before the
+	// load, and one step tells the prefill to free req-1.
+	idle(d, false, "decode finishing req-a")
+	idle(d, true, "decode after req-a")
+	p.waitFinished(t, "req-1 sent", func(f Finished) bool { return contains(f.Sending, "req-1") })
+	p.sched.UpdateConnectorOutput(nil)
+}

@@ -71,6 +71,18 @@ func (s *Stats) RecordFailedNotification() {
 	s.prom.failedXfers.Inc()
 }
 
+// Pending reports whether Take has data to return.
+func (s *Stats) Pending() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, v := range s.data {
+		if len(v) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
 // Take returns the accumulated data as JSON (vLLM's data dict) and resets
 // it, or nil when nothing happened since the last call.
 func (s *Stats) Take() []byte {

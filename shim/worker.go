@@ -48,6 +48,11 @@ type Finished struct {
 	// prefill of a smaller block size: the Python connector puts their
 	// tokens in this engine's order before vLLM computes from them.
 	Reshape map[string][]BlockReshape `json:"reshape,omitempty"`
+	// LoadErrorsPending and StatsPending say whether LoadErrors and Stats
+	// have something to return: the Python connector calls them only
+	// then, instead of twice more every step.
+	LoadErrorsPending bool `json:"load_errors_pending,omitempty"`
+	StatsPending      bool `json:"stats_pending,omitempty"`
 }
 
 // BlockReshape is one request's blocks of one KV-cache group read at a
@@ -360,6 +365,8 @@ func (w *Worker) GetFinished() ([]byte, error) {
 	}
 	f := w.done
 	w.done = Finished{}
+	f.LoadErrorsPending = len(w.invalid) > 0
+	f.StatsPending = w.stats.Pending()
 	if f.Sending == nil {
 		f.Sending = []string{}
 	}

@@ -139,6 +139,8 @@ class Scheduler:
         return bool(mutated.value)
 
     def build_meta(self) -> bytes:
+        """This step's metadata for the workers; b"" for an idle step (no
+        work, no timer pending; idle until another scheduler call)."""
         return _lib.call_bytes("gonixl_scheduler_build_meta", self.handle)
 
     def update_connector_output(self, finished_recving: Sequence[str]) -> None:

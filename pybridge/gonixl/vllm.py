@@ -373,6 +373,13 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # not yet handed to the worker.
         self._push_sending: set[str] = set()
         self._push_registering: set[str] = set()
+        # Calls skipped while they have nothing to do: the scheduler's
+        # build_meta until a scheduler call changes its state (an idle step),
+        # the worker's load errors and stats until get_finished says there
+        # are some. True until the library has answered once.
+        self._sched_dirty = True
+        self._load_errors_pending = True
+        self._stats_pending = True
         mode = self._TRANSFER_MODE
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _new("gonixl_scheduler_new", _config_json(vllm_config, "scheduler", kv_cache_config, mode))
@@ -504,6 +511,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         rid, pj = _s(request.request_id), _params_json(request)
         if not pj:
             return
+        self._sched_dirty = True
         self._call_request("gonixl_scheduler_on_new_request", request, self._sched, rid, len(rid), pj, len(pj))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -513,6 +521,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if not pj:
             return 0, False
         count, is_async = ctypes.c_int64(0), ctypes.c_int32(0)
+        self._sched_dirty = True
         try:
             _lib.call(
                 "gonixl_scheduler_get_num_new_matched_tokens",
@@ -561,6 +570,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         comp = (ctypes.c_int64 * len(computed))(*computed)
         mutated = ctypes.c_int32(0)
         rid = _s(request.request_id)
+        self._sched_dirty = True
         ok = self._call_request(
             "gonixl_scheduler_update_state_after_alloc",
             request,
@@ -587,7 +597,15 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                 self._push_registering.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        data = _lib.call_bytes("gonixl_scheduler_build_meta", self._sched)
+        if self._sched_dirty:
+            # The library answers b"" for an idle step (no work, no timer
+            # pending), which stays idle until one of the calls that set
+            # _sched_dirty: until then no call is made (an idle engine step
+            # costs no call into the library; the worker skips its own).
+            data = _lib.call_bytes("gonixl_scheduler_build_meta", self._sched)
+            self._sched_dirty = bool(data)
+        else:
+            data = b""
         self._push_registering.clear()  # handed to the worker with this step
         if not self._staging:
             return GoNixlConnectorMetadata(data)
@@ -613,6 +631,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         done = connector_output.finished_recving
         if done:
             j = json.dumps(sorted(done)).encode()
+            self._sched_dirty = True
             _lib.call("gonixl_scheduler_update_connector_output", self._sched, j, len(j))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
@@ -639,6 +658,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         ids, n, lens, ng = flatten_groups(block_ids)
         rid = _s(request.request_id)
         delay = ctypes.c_int32(0)
+        self._sched_dirty = True
         try:
             out = _lib.call_bytes(
                 "gonixl_scheduler_request_finished",
@@ -689,6 +709,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         for (pp, tp), m in sorted(metadata.items()):
             if not isinstance(m, GoNixlHandshakeMetadata):
                 raise ValueError(f"GoNixlConnector expects GoNixlHandshakeMetadata, got {type(m).__name__}")
+            self._sched_dirty = True
             _lib.call("gonixl_scheduler_set_handshake_payload", self._sched, pp, tp, m.payload, len(m.payload))
 
     def _call_request(self, fn: str, request: "Request", *args) -> bool:
@@ -752,7 +773,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, GoNixlConnectorMetadata)
         if self._host is not None:
             self._recv_blocks.update(meta.recv)
-        _lib.call("gonixl_worker_start_load_kv", self._worker, meta.data, len(meta.data))
+        if meta.data:  # b"": an idle step (build_connector_meta)
+            _lib.call("gonixl_worker_start_load_kv", self._worker, meta.data, len(meta.data))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
@@ -773,6 +795,9 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         r = json.loads(_lib.call_bytes("gonixl_worker_get_finished", self._worker))
+        # Whether the next two per-step calls have anything to return.
+        self._load_errors_pending = bool(r.get("load_errors_pending"))
+        self._stats_pending = bool(r.get("stats_pending"))
         if self._host is not None:
             for req in r["failed_recving"]:
                 self._recv_blocks.pop(req, None)
@@ -795,6 +820,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return r.finished_sending, r.finished_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if not self._load_errors_pending:
+            return set()
         blocks = set(json.loads(_lib.call_bytes("gonixl_worker_load_errors", self._worker, initial=64)))
         if len(self.kv_cache_config.kv_cache_groups) > 1:
             # Block ids are unique only within a group: vLLM's scheduler
@@ -805,8 +832,9 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return blocks
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
-        if not self._worker:
+        if not self._worker or not self._stats_pending:
             return None
+        self._stats_pending = False
         raw = _lib.call_bytes("gonixl_worker_stats", self._worker)
         if not raw:
             return None
