@@ -339,6 +339,14 @@ cmd_fuzz() {
   GONIXL_FUZZ_EXAMPLES="${GONIXL_FUZZ_EXAMPLES:-5000}" "$PY" -m pytest -q tests/python/test_fuzz_scheduler.py
 }
 
+## test-router: prefill and decode vLLM with GoNixlConnector behind vllm-router's P/D mode, against the aggregated baseline
+cmd_test_router() {
+  cmd_setup
+  cmd_build
+  export GONIXL_LIB_PATH="$LIB"
+  bash tests/e2e/run_router_test.sh
+}
+
 ## bench-multiturn: bidirectional KV transfer on vs off, one multi-turn workload (docs/BENCHMARKS.md)
 cmd_bench_multiturn() {
   cmd_setup
@@ -355,7 +363,7 @@ cmd_bench_push() {
   bash bench/run_vllm_bench.sh push
 }
 
-## bench [PART...]: gonixl vs vLLM's stock NixlConnector, side by side (docs/BENCHMARKS.md); PART: vllm (default: all)
+## bench [PART...]: gonixl vs vLLM's stock NixlConnector, side by side (docs/BENCHMARKS.md); PART: vllm, first-contact (default: vllm)
 cmd_bench() {
   cmd_setup
   cmd_build
@@ -364,8 +372,12 @@ cmd_bench() {
   ((${#parts[@]})) || parts=(vllm)
   for part in "${parts[@]}"; do
     case "$part" in
+      # Real vLLM instances, stock and gonixl through one timing wrapper.
       vllm) bash bench/run_vllm_bench.sh connector ;;
-      *) die "bench: unknown part $part (vllm)" ;;
+      # First contact with an 80-layer registration: the stock worker's own
+      # code on real NIXL, then gonixl's Go benchmarks, in one session.
+      first-contact) "$PY" bench/stock_first_contact.py --gonixl --json docs/data/first-contact/stock_first_contact.json ;;
+      *) die "bench: unknown part $part (vllm, first-contact)" ;;
     esac
   done
 }
@@ -407,6 +419,7 @@ main() {
   case "$sub" in
     setup | build | check | test | demo | soak | fuzz | wheel | help) "cmd_$sub" "$@" ;;
     test-fast) cmd_test_fast "$@" ;;
+    test-router) cmd_test_router "$@" ;;
     gpu-bundle) cmd_gpu_bundle "$@" ;;
     bench-multiturn) cmd_bench_multiturn "$@" ;;
     bench-push) cmd_bench_push "$@" ;;

