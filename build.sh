@@ -363,7 +363,7 @@ cmd_bench_push() {
   bash bench/run_vllm_bench.sh push
 }
 
-## bench [PART...]: gonixl vs vLLM's stock NixlConnector, side by side (docs/BENCHMARKS.md); PART: vllm, first-contact (default: vllm)
+## bench [PART...]: gonixl vs vLLM's stock NixlConnector, side by side (docs/BENCHMARKS.md); PART: vllm, first-contact, go (default: vllm)
 cmd_bench() {
   cmd_setup
   cmd_build
@@ -377,7 +377,12 @@ cmd_bench() {
       # First contact with an 80-layer registration: the stock worker's own
       # code on real NIXL, then gonixl's Go benchmarks, in one session.
       first-contact) "$PY" bench/stock_first_contact.py --gonixl --json docs/data/first-contact/stock_first_contact.json ;;
-      *) die "bench: unknown part $part (vllm, first-contact)" ;;
+      # The hot paths' Go microbenchmarks (docs/BENCHMARKS.md).
+      go)
+        go test -run '^$' -bench 'ReadDescIDs|StepMeta|ParseNotif|PollNotifs|LeaseSweep|GetFinishedIdle' -benchmem ./shim/
+        go test -run '^$' -bench 'Handshake80L|AgentMetadata' -benchmem ./sidechannel/
+        ;;
+      *) die "bench: unknown part $part (vllm, first-contact, go)" ;;
     esac
   done
 }

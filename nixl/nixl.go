@@ -510,16 +510,49 @@ func ExpandBlocks(regions []BlockRegion, localBlocks, remoteBlocks []int32) (li,
 	if len(localBlocks) != len(remoteBlocks) || n/max(len(regions), 1) != len(localBlocks) || n > maxStridedDescs {
 		return nil, nil, Errorf(ErrInvalidParam, "MakeXfer", "%d regions × %d/%d blocks", len(regions), len(localBlocks), len(remoteBlocks))
 	}
-	li, ri = make([]int32, 0, n), make([]int32, 0, n)
-	for _, r := range regions {
+	li, ri = make([]int32, n), make([]int32, n)
+	if n == 0 {
+		return li, ri, nil
+	}
+	// The block lists' extremes bound every index of a region: a region
+	// whose bounds are in range is filled without a check per descriptor
+	// (its sums then fit in int32), the others pair by pair, which finds
+	// the same first bad pair, region-major.
+	lmin, lmax := minMax(localBlocks)
+	rmin, rmax := minMax(remoteBlocks)
+	nb := len(localBlocks)
+	for i, r := range regions {
+		dl, dr := li[i*nb:(i+1)*nb], ri[i*nb:(i+1)*nb]
+		if inIndexRange(int64(r.Local)+lmin, int64(r.Local)+lmax) && inIndexRange(int64(r.Remote)+rmin, int64(r.Remote)+rmax) {
+			for k, b := range localBlocks {
+				dl[k] = r.Local + b
+			}
+			for k, b := range remoteBlocks {
+				dr[k] = r.Remote + b
+			}
+			continue
+		}
 		for k := range localBlocks {
 			l, m := int64(r.Local)+int64(localBlocks[k]), int64(r.Remote)+int64(remoteBlocks[k])
-			if l < 0 || m < 0 || l > maxStridedDescs || m > maxStridedDescs {
+			if !inIndexRange(l, l) || !inIndexRange(m, m) {
 				return nil, nil, Errorf(ErrInvalidParam, "MakeXfer", "region (%d, %d) block pair %d (%d, %d): index out of range",
 					r.Local, r.Remote, k, localBlocks[k], remoteBlocks[k])
 			}
-			li, ri = append(li, int32(l)), append(ri, int32(m))
+			dl[k], dr[k] = int32(l), int32(m)
 		}
 	}
 	return li, ri, nil
 }
+
+// minMax returns the smallest and largest of a non-empty v.
+func minMax(v []int32) (lo, hi int64) {
+	a, b := v[0], v[0]
+	for _, x := range v[1:] {
+		a, b = min(a, x), max(b, x)
+	}
+	return int64(a), int64(b)
+}
+
+// inIndexRange reports whether [lo, hi] lies within a descriptor list's
+// index range [0, maxStridedDescs].
+func inIndexRange(lo, hi int64) bool { return lo >= 0 && hi <= maxStridedDescs }

@@ -24,10 +24,17 @@ import (
 type leases struct {
 	clock Clock
 	until map[string]float64
+	// low is a lower bound of every deadline in until (+Inf when empty), so
+	// that Expired skips its full sweep while nothing can be due: Hold and
+	// Raise lower it to a deadline they set, Extend and Drop keep it a bound
+	// (they only raise or remove deadlines), and a full sweep makes it exact
+	// again. With 10,000 requests held, get_finished then stops walking the
+	// whole table every engine step; it walks it about once a lease length.
+	low float64
 }
 
 func newLeases(clock Clock) *leases {
-	return &leases{clock: clock, until: map[string]float64{}}
+	return &leases{clock: clock, until: map[string]float64{}, low: math.Inf(1)}
 }
 
 // Deadline returns the lease's end and whether id holds one.
@@ -37,7 +44,10 @@ func (l *leases) Deadline(id string) (float64, bool) {
 }
 
 // Hold sets id's lease to end at until.
-func (l *leases) Hold(id string, until float64) { l.until[id] = until }
+func (l *leases) Hold(id string, until float64) {
+	l.until[id] = until
+	l.low = min(l.low, until)
+}
 
 // Extend moves the end of a lease id holds to until if that is later; a
 // lease not held is not created (an expired one is never revived).
@@ -51,6 +61,7 @@ func (l *leases) Extend(id string, until float64) {
 func (l *leases) Raise(id string, until float64) {
 	if old, ok := l.until[id]; !ok || until > old {
 		l.until[id] = until
+		l.low = min(l.low, until)
 	}
 }
 
@@ -74,12 +85,19 @@ func (l *leases) IDs() []string {
 // full sweep, since extensions move deadlines in place.
 func (l *leases) Expired() []string {
 	now := l.clock()
+	if now < l.low {
+		return nil // nothing can be due yet
+	}
 	var out []string
+	low := math.Inf(1)
 	for id, t := range l.until {
 		if now >= t {
 			out = append(out, id)
+		} else {
+			low = min(low, t)
 		}
 	}
+	l.low = low
 	sort.Strings(out)
 	for _, id := range out {
 		delete(l.until, id)

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 
 	"go.uber.org/zap"
@@ -354,17 +355,22 @@ func (w *Worker) subBlockXferMaker(local, remote BlockIDs, remoteNumBlocks int64
 		total += len(g)
 	}
 	regions := int64(len(w.layout.Regions))
+	nb, k64 := w.layout.NumBlocks, int64(n)
+	// The pairs of region 0, group-major (sub-block j of local block b is
+	// local descriptor j*nb+b there); region i's are those plus the
+	// region's first descriptor on each side (i*n*nb, i*remoteNumBlocks).
+	lrel, rrel := make([]int64, 0, total), make([]int64, 0, total)
+	for g := range remote {
+		for k, rb := range remote[g] {
+			lrel = append(lrel, int64(k%n)*nb+local[g][k/n])
+			rrel = append(rrel, rb)
+		}
+	}
 	lidx := make([]int32, 0, total*int(regions))
 	ridx := make([]int32, 0, total*int(regions))
-	nb, k64 := w.layout.NumBlocks, int64(n)
 	for i := int64(0); i < regions; i++ {
-		for g := range remote {
-			for k, rb := range remote[g] {
-				b, j := local[g][k/n], int64(k%n)
-				lidx = append(lidx, int32((i*k64+j)*nb+b))
-				ridx = append(ridx, int32(i*remoteNumBlocks+rb))
-			}
-		}
+		lidx = appendOffset(lidx, i*k64*nb, lrel)
+		ridx = appendOffset(ridx, i*remoteNumBlocks, rrel)
 	}
 	return func(l, r nixl.DescList, notif []byte) (nixl.Xfer, error) {
 		return w.agent.MakeXfer(nixl.Read, l, lidx, r, ridx, notif)
@@ -421,7 +427,7 @@ func regionsMapped(regions []Region) bool {
 }
 
 func flatBlocks(ids BlockIDs) []int32 {
-	var out []int32
+	out := make([]int32, 0, ids.Count())
 	for _, g := range ids {
 		for _, b := range g {
 			out = append(out, int32(b))
@@ -440,9 +446,7 @@ func regionDescIDs(regions []Region, numBlocks int64, ids BlockIDs) []int32 {
 		for ri := range regions {
 			off := int64(ri) * numBlocks
 			for _, g := range ids {
-				for _, b := range g {
-					out = append(out, int32(off+b))
-				}
+				out = appendOffset(out, off, g)
 			}
 		}
 		return out
@@ -452,11 +456,21 @@ func regionDescIDs(regions []Region, numBlocks int64, ids BlockIDs) []int32 {
 			if r.Group != gi && r.Group != SharedGroup {
 				continue
 			}
-			off := int64(ri) * numBlocks
-			for _, b := range g {
-				out = append(out, int32(off+b))
-			}
+			out = appendOffset(out, int64(ri)*numBlocks, g)
 		}
+	}
+	return out
+}
+
+// appendOffset appends off+b for every block b of g to out, which has the
+// room: one slice extension and a plain loop instead of an append (with
+// its capacity check) per descriptor. The ids fit in int32 (pairBlocks).
+func appendOffset(out []int32, off int64, g []int64) []int32 {
+	n := len(out)
+	out = slices.Grow(out, len(g))[:n+len(g)]
+	dst := out[n:]
+	for k, b := range g {
+		dst[k] = int32(off + b)
 	}
 	return out
 }

@@ -15,6 +15,7 @@ func BenchmarkDecodeAgentMetadata(b *testing.B) {
 	}
 	raw := unhex(b, string(full))
 	b.SetBytes(int64(len(raw)))
+	b.ReportAllocs()
 	for b.Loop() {
 		if _, err := DecodeAgentMetadata(raw); err != nil {
 			b.Fatal(err)
@@ -24,6 +25,7 @@ func BenchmarkDecodeAgentMetadata(b *testing.B) {
 
 func BenchmarkEncodeAgentMetadata(b *testing.B) {
 	m := fullMetadata()
+	b.ReportAllocs()
 	for b.Loop() {
 		_ = m.Encode()
 	}
@@ -45,6 +47,7 @@ func BenchmarkHandshake(b *testing.B) {
 	c := NewClient(ClientConfig{CompatHash: "hash-A"})
 	defer c.Close()
 	ranks := Ranks(1, 0, 1)
+	b.ReportAllocs()
 	for b.Loop() {
 		if _, err := c.Handshake(context.Background(), "127.0.0.1", l.Addr().Port, "e", ranks...); err != nil {
 			b.Fatal(err)
