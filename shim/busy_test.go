@@ -28,6 +28,21 @@ func countCalls(eng *nixltest.Engine, id, op string) int {
 	return n
 }
 
+// loadFrom runs prefill request preq on p (blocks pb, 12 tokens) and hands
+// its KV to decode request dreq on d (blocks db), one decode step: the READ
+// is posted, or queued behind a handshake.
+func loadFrom(t *testing.T, d, p *side, preq, dreq string, pb, db []int64) {
+	t.Helper()
+	out := prefill(t, p, preq, pb, 12)
+	dp := mustParams(t, string(out))
+	d.sched.OnNewRequest(dreq, dp)
+	d.sched.GetNumNewMatchedTokens(dp, 12, 0)
+	if _, err := d.sched.UpdateStateAfterAlloc(dreq, dp, BlockIDs{db}, []int64{0}, 12); err != nil {
+		t.Fatal(err)
+	}
+	d.step(t)
+}
+
 // An agent that serialises its calls (the NIXL engine) reports a control
 // call in progress; while it does, the decode's polls and posts from vLLM's
 // model thread are put off rather than made to wait behind it, and resume
@@ -51,16 +66,7 @@ func TestPollsAndPostsWaitOutAControlCall(t *testing.T) {
 			close(gate)
 		}
 	}()
-	load := func(p *side, preq, dreq string, pb, db []int64) {
-		out := prefill(t, p, preq, pb, 12)
-		dp := mustParams(t, string(out))
-		d.sched.OnNewRequest(dreq, dp)
-		d.sched.GetNumNewMatchedTokens(dp, 12, 0)
-		if _, err := d.sched.UpdateStateAfterAlloc(dreq, dp, BlockIDs{db}, []int64{0}, 12); err != nil {
-			t.Fatal(err)
-		}
-		d.step(t)
-	}
+	load := func(p *side, preq, dreq string, pb, db []int64) { loadFrom(t, d, p, preq, dreq, pb, db) }
 	// Engine p1 known: its first request completes as usual.
 	load(p1, "req-1", "req-a", []int64{1, 2, 3}, []int64{4, 5, 6})
 	d.waitFinished(t, "req-a", func(f Finished) bool { return contains(f.Recving, "req-a") })

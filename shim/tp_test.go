@@ -253,16 +253,7 @@ func TestFirstContactDoesNotStallOtherReads(t *testing.T) {
 		}
 	}()
 
-	load := func(p *side, preq, dreq string, pb, db []int64) {
-		out := prefill(t, p, preq, pb, 12)
-		dp := mustParams(t, string(out))
-		d.sched.OnNewRequest(dreq, dp)
-		d.sched.GetNumNewMatchedTokens(dp, 12, 0)
-		if _, err := d.sched.UpdateStateAfterAlloc(dreq, dp, BlockIDs{db}, []int64{0}, 12); err != nil {
-			t.Fatal(err)
-		}
-		d.step(t)
-	}
+	load := func(p *side, preq, dreq string, pb, db []int64) { loadFrom(t, d, p, preq, dreq, pb, db) }
 	// Engine p1 is known and its READ in flight (20 polls to complete).
 	load(p1, "req-1", "req-a", []int64{1, 2, 3}, []int64{4, 5, 6})
 	deadline := time.Now().Add(5 * time.Second)
