@@ -267,3 +267,33 @@ func TestStepMetaEncodeMatchesMarshal(t *testing.T) {
 		}
 	}
 }
+
+// A step whose maps hold nil entries (the scheduler's order naming a
+// request no longer in its map) encodes as msgpack.Marshal did: nil
+// values, dropped by the worker. sizeHint once dereferenced them.
+func TestStepMetaEncodeNilEntries(t *testing.T) {
+	m := &StepMeta{
+		ReqsToRecv:   map[string]*RecvReq{"gone": nil},
+		ReqsToSend:   map[string]float64{},
+		Heartbeats:   map[string]*HeartbeatInfo{"e": nil},
+		PushFinished: map[string]*PushFinished{"p": nil},
+	}
+	b, err := m.Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	old, err := msgpack.Marshal(&stepEnvelope{Version: stepMetaVersion, Meta: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(b, old) {
+		t.Fatalf("encoding differs from msgpack.Marshal's:\n%x\n%x", b, old)
+	}
+	got, err := DecodeStepMeta(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got.ReqsToRecv) != 0 || len(got.PushFinished) != 0 {
+		t.Fatalf("nil entries survived decoding: %+v", got)
+	}
+}

@@ -113,6 +113,12 @@ func (m *StepMeta) Encode() ([]byte, error) {
 func (m *StepMeta) sizeHint() int {
 	n := 512
 	for id, rr := range m.ReqsToRecv {
+		if rr == nil {
+			// The scheduler's order can name a request no longer in its
+			// map; msgpack writes nil and the worker drops it (dropNil).
+			n += 16 + len(id)
+			continue
+		}
 		rm := &rr.Remote
 		n += 320 + len(id) + 8*(rr.LocalBlockIDs.Count()+rm.BlockIDs.Count()+len(rr.LocalBlockIDs)+len(rm.BlockIDs)) +
 			9*len(rr.LocalNumComputed) + len(rr.PromptDigest) + len(rm.Host) + len(rm.EngineID) + len(rm.RequestID)
@@ -126,6 +132,10 @@ func (m *StepMeta) sizeHint() int {
 		}
 	}
 	for eng, hb := range m.Heartbeats {
+		if hb == nil {
+			n += 16 + len(eng)
+			continue
+		}
 		n += 128 + len(eng) + len(hb.Host)
 		for _, id := range hb.ReqIDs {
 			n += 2 + len(id)
@@ -135,6 +145,10 @@ func (m *StepMeta) sizeHint() int {
 		}
 	}
 	for id, pf := range m.PushFinished {
+		if pf == nil {
+			n += 16 + len(id)
+			continue
+		}
 		n += 64 + len(id) + len(pf.PromptDigest) + 8*(pf.Blocks.Count()+len(pf.Blocks))
 	}
 	return n
