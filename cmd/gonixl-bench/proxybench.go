@@ -11,6 +11,14 @@ package main
 // and through the proxy, so both see the same machine, and reports the
 // percentiles of each and their difference. Every response is compared byte
 // for byte with what the decode instance sends; one failure fails the run.
+//
+// -routes adds peers measured in the same run against the same fakes:
+// vllm-router in its vLLM P/D mode (--vllm-pd-disaggregation) beside
+// gonixl-proxy. The fakes check what each route sends (proxybench_routes.go):
+// a prefill request must ask for one token, without streaming, with
+// kv_transfer_params asking for a remote decode, and a proxied decode request
+// must carry the fake prefill's kv_transfer_params; the counts are checked
+// after every batch.
 
 import (
 	"bufio"
@@ -57,13 +65,19 @@ type proxyPoint struct {
 	ProxyCPUus  float64 `json:"proxy_cpu_us_per_request"`
 	Met         bool    `json:"target_met"`
 	LoadAverage string  `json:"loadavg_after"`
+	// Routes holds every measured route, direct first; the fields above
+	// are its "direct" and "gonixl" entries.
+	Routes     []routeStats `json:"routes,omitempty"`
+	PeerTarget *peerTarget  `json:"peer_target,omitempty"`
 }
 
 type proxyReport struct {
-	Command string       `json:"command"`
-	Proxy   string       `json:"proxy_binary"`
-	CPUs    int          `json:"cpus"`
-	Points  []proxyPoint `json:"points"`
+	Command    string       `json:"command"`
+	Proxy      string       `json:"proxy_binary"`
+	VLLMRouter string       `json:"vllm_router_binary,omitempty"`
+	Routes     []string     `json:"routes,omitempty"`
+	CPUs       int          `json:"cpus"`
+	Points     []proxyPoint `json:"points"`
 }
 
 // Fake upstream bodies. The decode bodies are what the client must receive.
@@ -87,7 +101,7 @@ func fakeDecodeSSE(chunks int) []byte {
 func runProxyBench(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("proxy", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	var role, proxyBin, delaysS, concS, streamsS, jsonOut, proxyEnv string
+	var role, proxyBin, delaysS, concS, streamsS, jsonOut, proxyEnv, routesS, routerBin, routerArgs string
 	var requests, batch, chunks int
 	var prefillDelay, tokenGap time.Duration
 	var jitter float64
@@ -104,6 +118,9 @@ func runProxyBench(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&chunks, "chunks", 16, "events per streamed response")
 	fs.StringVar(&jsonOut, "json", "", "also write the results as JSON to this file")
 	fs.StringVar(&proxyEnv, "proxy-env", "", "extra environment for the proxy process only, comma-separated K=V (e.g. GOMAXPROCS=1)")
+	fs.StringVar(&routesS, "routes", "direct,gonixl", "routes to measure, comma-separated: direct (always measured: the baseline), gonixl (gonixl-proxy, toy mode), vllm-router (vllm-router --vllm-pd-disaggregation)")
+	fs.StringVar(&routerBin, "vllm-router-bin", "", "vllm-router executable (default: $PATH, else .venv/bin/vllm-router of the checkout this binary was built in)")
+	fs.StringVar(&routerArgs, "vllm-router-args", "--policy round_robin", "extra vllm-router arguments, space-separated (its P/D mode, --prefill, --decode, --host, --port, --log-level warning and --prometheus-port are set by the bench)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -119,10 +136,23 @@ func runProxyBench(args []string, stdout, stderr io.Writer) error {
 	if jitter < 0 || jitter > 1 {
 		return errors.New("-jitter must be within [0, 1]")
 	}
-	bin, err := findProxyBinary(proxyBin)
+	routes, err := parseRoutes(routesS)
 	if err != nil {
 		return err
 	}
+	var bin, rbin string
+	if hasRoute(routes, routeGonixl) {
+		if bin, err = findProxyBinary(proxyBin); err != nil {
+			return err
+		}
+	}
+	if hasRoute(routes, routeVLLMRouter) {
+		if rbin, err = findVLLMRouter(routerBin); err != nil {
+			return err
+		}
+	}
+	legacy := len(routes) == 2 && routes[1] == routeGonixl
+	launch := launcher{proxyBin: bin, proxyEnv: splitList(proxyEnv), routerBin: rbin, routerArgs: strings.Fields(routerArgs)}
 	var delays []time.Duration
 	for _, s := range splitList(delaysS) {
 		d, err := time.ParseDuration(s)
@@ -151,17 +181,32 @@ func runProxyBench(args []string, stdout, stderr io.Writer) error {
 		streams = append(streams, v)
 	}
 
-	rep := proxyReport{Command: "gonixl-bench proxy " + strings.Join(args, " "), Proxy: bin, CPUs: runtime.NumCPU()}
+	rep := proxyReport{Command: "gonixl-bench proxy " + strings.Join(args, " "), Proxy: bin, VLLMRouter: rbin, Routes: routes, CPUs: runtime.NumCPU()}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(stdout, "gonixl-proxy %s; %d CPUs; %d requests of each kind per point; jitter ±%.0f%%\n", bin, runtime.NumCPU(), requests, jitter*100)
+	if bin != "" {
+		fmt.Fprintf(stdout, "gonixl-proxy %s; ", bin)
+	}
+	if rbin != "" {
+		fmt.Fprintf(stdout, "vllm-router %s %s; ", rbin, routerArgs)
+	}
+	fmt.Fprintf(stdout, "%d CPUs; %d requests of each kind per point; jitter ±%.0f%%\n", runtime.NumCPU(), requests, jitter*100)
 	fmt.Fprintln(stdout, "µs of latency beyond each request's upstream service time (the decode delay, which the client sets per request)")
-	fmt.Fprintln(tw, "delay\tbody\tc\tdirect p50\tdirect p99\tproxy p50\tproxy p99\tadded p50\tadded p99\t1st byte +p50\t1st byte +p99\tproxy req/s\tproxy CPU µs/req\ttarget\t")
+	if legacy {
+		fmt.Fprintln(tw, "delay\tbody\tc\tdirect p50\tdirect p99\tproxy p50\tproxy p99\tadded p50\tadded p99\t1st byte +p50\t1st byte +p99\tproxy req/s\tproxy CPU µs/req\ttarget\t")
+	} else {
+		fmt.Fprintln(tw, "delay\tbody\tc\troute\tp50\tp99\tadded p50\tadded p99\t1st byte +p50\t1st byte +p99\treq/s\tproxy CPU µs/req\t")
+	}
 	for _, d := range delays {
-		pts, err := proxyBenchDelay(bin, splitList(proxyEnv), d, prefillDelay, tokenGap, jitter, chunks, streams, concs, requests, batch, stderr)
+		pts, err := proxyBenchDelay(launch, routes, d, prefillDelay, tokenGap, jitter, chunks, streams, concs, requests, batch, stderr)
 		if err != nil {
 			return err
 		}
 		for _, p := range pts {
+			if !legacy {
+				writeRouteRows(tw, p)
+				rep.Points = append(rep.Points, p)
+				continue
+			}
 			body := "JSON"
 			if p.Stream {
 				body = "SSE"
@@ -181,7 +226,11 @@ func runProxyBench(args []string, stdout, stderr io.Writer) error {
 		_ = tw.Flush()
 	}
 	_ = tw.Flush()
-	fmt.Fprintln(stdout, "target (issue 7): added ≤ 500 µs at p50 and ≤ 2000 µs at p99, no failed request")
+	if legacy {
+		fmt.Fprintln(stdout, "target (issue 7): added ≤ 500 µs at p50 and ≤ 2000 µs at p99, no failed request")
+	} else {
+		writePeerTargets(stdout, rep.Points)
+	}
 	if jsonOut != "" {
 		b, _ := json.MarshalIndent(rep, "", "  ")
 		if err := os.WriteFile(jsonOut, append(b, '\n'), 0o644); err != nil {
@@ -222,16 +271,32 @@ func findProxyBinary(flagVal string) (string, error) {
 
 // serveFakeUpstreams is the upstream role: a fake prefill and a fake decode
 // instance on loopback; it prints "<prefill port> <decode port>" and serves
-// until its stdin closes.
+// until its stdin closes. Each checks what it is sent (fakeCheck) and counts
+// it; GET /bench/counts on either returns the counts.
 func serveFakeUpstreams(stdout io.Writer, prefillDelay, gap time.Duration, chunks int) error {
 	sse := fakeDecodeSSE(chunks)
-	serve := func(delay time.Duration, prefill bool) (net.Listener, error) {
+	var counts fakeCounter
+	serve := func(prefill bool) (net.Listener, error) {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			return nil, err
 		}
 		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method != http.MethodPost {
+				// Health checks (vllm-router polls /health and reads
+				// /metrics at start-up) and the counts.
+				if r.URL.Path == countsPath {
+					w.Header().Set("Content-Type", "application/json")
+					_, _ = w.Write(counts.json())
+				}
+				return
+			}
 			body, _ := io.ReadAll(r.Body)
+			if err := counts.check(prefill, body); err != nil {
+				http.Error(w, err.Error(), http.StatusBadRequest)
+				return
+			}
+			delay := prefillDelay
 			if !prefill {
 				delay = serviceTime(body)
 			}
@@ -264,11 +329,11 @@ func serveFakeUpstreams(stdout io.Writer, prefillDelay, gap time.Duration, chunk
 		go func() { _ = (&http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}).Serve(ln) }()
 		return ln, nil
 	}
-	pl, err := serve(prefillDelay, true)
+	pl, err := serve(true)
 	if err != nil {
 		return err
 	}
-	dl, err := serve(0, false)
+	dl, err := serve(false)
 	if err != nil {
 		return err
 	}
@@ -300,11 +365,16 @@ func serviceTime(body []byte) time.Duration {
 type child struct {
 	cmd   *exec.Cmd
 	stdin io.WriteCloser
+	sig   os.Signal // what stop sends; nil: os.Interrupt
 }
 
 func (c *child) stop() {
 	_ = c.stdin.Close()
-	_ = c.cmd.Process.Signal(os.Interrupt)
+	sig := c.sig
+	if sig == nil {
+		sig = os.Interrupt
+	}
+	_ = c.cmd.Process.Signal(sig)
 	done := make(chan struct{})
 	go func() { _ = c.cmd.Wait(); close(done) }()
 	select {
@@ -335,8 +405,8 @@ func cpuTime(pid int) (time.Duration, error) {
 	return time.Duration(ut+st) * time.Second / 100, nil // USER_HZ is 100 on Linux
 }
 
-func proxyBenchDelay(bin string, env []string, delay, prefillDelay, gap time.Duration, jitter float64, chunks int, streams []bool, concs []int,
-	requests, batch int, stderr io.Writer) ([]proxyPoint, error) {
+func proxyBenchDelay(l launcher, routeNames []string, delay, prefillDelay, gap time.Duration, jitter float64, chunks int, streams []bool,
+	concs []int, requests, batch int, stderr io.Writer) ([]proxyPoint, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -366,31 +436,20 @@ func proxyBenchDelay(bin string, env []string, delay, prefillDelay, gap time.Dur
 		return nil, fmt.Errorf("fake upstreams said %q: %w", line, err)
 	}
 
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, err
+	var routes []benchRoute
+	for _, name := range routeNames {
+		rt, proc, err := l.start(name, pPort, dPort, stderr)
+		if err != nil {
+			return nil, err
+		}
+		if proc != nil {
+			defer proc.stop()
+		}
+		routes = append(routes, rt)
 	}
-	proxyPort := ln.Addr().(*net.TCPAddr).Port
-	_ = ln.Close()
-	px := exec.Command(bin, "--host", "127.0.0.1", "--port", strconv.Itoa(proxyPort),
-		"--prefiller-host", "127.0.0.1", "--prefiller-port", strconv.Itoa(pPort),
-		"--decoder-host", "127.0.0.1", "--decoder-port", strconv.Itoa(dPort), "--log-level", "warn")
-	px.Stderr = stderr
-	px.Env = append(os.Environ(), env...)
-	pxIn, err := px.StdinPipe()
-	if err != nil {
-		return nil, err
+	counts := func() (fakeCounts, error) {
+		return readFakeCounts(fmt.Sprintf("http://127.0.0.1:%d%s", dPort, countsPath))
 	}
-	if err := px.Start(); err != nil {
-		return nil, err
-	}
-	proxyProc := &child{cmd: px, stdin: pxIn}
-	defer proxyProc.stop()
-	proxyURL := fmt.Sprintf("http://127.0.0.1:%d", proxyPort)
-	if err := waitHTTP(proxyURL+"/healthcheck", 10*time.Second); err != nil {
-		return nil, fmt.Errorf("gonixl-proxy did not come up: %w", err)
-	}
-	directURL := fmt.Sprintf("http://127.0.0.1:%d/v1/completions", dPort)
 
 	var out []proxyPoint
 	for _, stream := range streams {
@@ -414,7 +473,7 @@ func proxyBenchDelay(bin string, env []string, delay, prefillDelay, gap time.Dur
 			return []byte(head + strconv.FormatInt(d.Microseconds(), 10) + `}`), d.Truncate(time.Microsecond)
 		}
 		for _, conc := range concs {
-			pt, err := measureProxyPoint(directURL, proxyURL+"/v1/completions", px.Process.Pid, reqBody, want, conc, requests, batch)
+			pt, err := measureRoutes(routes, counts, reqBody, want, conc, requests, batch)
 			if err != nil {
 				return nil, fmt.Errorf("delay %v stream=%v c=%d: %w", delay, stream, conc, err)
 			}
@@ -445,17 +504,20 @@ func waitHTTP(url string, limit time.Duration) error {
 
 type latSample struct{ first, total time.Duration }
 
-func measureProxyPoint(directURL, proxyURL string, proxyPID int, reqBody func(int) ([]byte, time.Duration), want []byte,
+// measureRoutes measures one (service time, body, concurrency) point on
+// every route: batches of each route in turn (the order rotating from batch
+// to batch), so that all see the same machine. routes[0] is the direct
+// route, the baseline of every "added" figure.
+func measureRoutes(routes []benchRoute, counts func() (fakeCounts, error), reqBody func(int) ([]byte, time.Duration), want []byte,
 	conc, requests, batch int) (proxyPoint, error) {
-	// Separate client transports so the two kinds of request do not share a
+	// One client transport per route so that routes do not share a
 	// connection-pool lock.
-	newClient := func() *http.Client {
-		return &http.Client{Timeout: time.Minute, Transport: &http.Transport{
+	clients := make([]*http.Client, len(routes))
+	for i := range clients {
+		clients[i] = &http.Client{Timeout: time.Minute, Transport: &http.Transport{
 			Proxy: nil, MaxIdleConnsPerHost: 4 * conc, DisableCompression: true}}
+		defer clients[i].CloseIdleConnections()
 	}
-	directClient, proxyClient := newClient(), newClient()
-	defer directClient.CloseIdleConnections()
-	defer proxyClient.CloseIdleConnections()
 
 	one := func(client *http.Client, url string, k int, tmp []byte) (latSample, error) {
 		body, svc := reqBody(k)
@@ -523,35 +585,56 @@ func measureProxyPoint(directURL, proxyURL string, proxyPID int, reqBody func(in
 		wg.Wait()
 		return out, time.Since(start), firstErr
 	}
-	// Warm up connections and code paths on both routes.
-	for _, u := range []struct {
-		c   *http.Client
-		url string
-	}{{directClient, directURL}, {proxyClient, proxyURL}} {
-		if _, _, err := run(u.c, u.url, 1<<30, 4*conc); err != nil {
-			return proxyPoint{}, fmt.Errorf("warm-up %s: %w", u.url, err)
+	// Warm up connections and code paths on every route.
+	for i, rt := range routes {
+		if _, _, err := run(clients[i], rt.url, 1<<30, 4*conc); err != nil {
+			return proxyPoint{}, fmt.Errorf("warm-up %s (%s): %w", rt.name, rt.url, err)
 		}
 	}
-	var direct, proxied []latSample
-	var dTime, pTime, pCPU time.Duration
-	for done := 0; done < requests; done += batch {
+	samples := make([][]latSample, len(routes))
+	elapsed := make([]time.Duration, len(routes))
+	cpu := make([]time.Duration, len(routes))
+	for done, b := 0, 0; done < requests; done, b = done+batch, b+1 {
 		n := min(batch, requests-done)
-		d, el, err := run(directClient, directURL, done, n)
-		if err != nil {
-			return proxyPoint{}, fmt.Errorf("direct: %w", err)
+		for j := range routes {
+			i := (j + b) % len(routes)
+			rt := routes[i]
+			before, err := counts()
+			if err != nil {
+				return proxyPoint{}, err
+			}
+			var c0 time.Duration
+			if rt.pid > 0 {
+				c0, _ = cpuTime(rt.pid)
+			}
+			s, el, err := run(clients[i], rt.url, done, n)
+			if err != nil {
+				return proxyPoint{}, fmt.Errorf("%s: %w", rt.describe(), err)
+			}
+			if rt.pid > 0 {
+				c1, _ := cpuTime(rt.pid)
+				cpu[i] += c1 - c0
+			}
+			after, err := counts()
+			if err != nil {
+				return proxyPoint{}, err
+			}
+			if err := after.sub(before).expect(rt.proxied, n); err != nil {
+				return proxyPoint{}, fmt.Errorf("%s: %w", rt.describe(), err)
+			}
+			elapsed[i] += el
+			samples[i] = append(samples[i], s...)
 		}
-		dTime += el
-		c0, _ := cpuTime(proxyPID)
-		p, el, err := run(proxyClient, proxyURL, done, n)
-		if err != nil {
-			return proxyPoint{}, fmt.Errorf("through the proxy: %w", err)
-		}
-		c1, _ := cpuTime(proxyPID)
-		pTime += el
-		pCPU += c1 - c0
-		direct, proxied = append(direct, d...), append(proxied, p...)
 	}
-	// Percentiles in µs through the transfer benchmark's pct (nanoseconds in).
+	pt := summarizeRoutes(routes, samples, elapsed, cpu)
+	pt.Concurrency = conc
+	return pt, nil
+}
+
+// summarizeRoutes computes each route's percentiles (µs, through the
+// transfer benchmark's pct), its difference from the direct route
+// (routes[0]), and the legacy direct/proxy fields.
+func summarizeRoutes(routes []benchRoute, samples [][]latSample, elapsed, cpu []time.Duration) proxyPoint {
 	lat := func(s []latSample, first bool, q float64) float64 {
 		ns := make([]int64, len(s))
 		for i, x := range s {
@@ -562,18 +645,37 @@ func measureProxyPoint(directURL, proxyURL string, proxyPID int, reqBody func(in
 		}
 		return pct(ns, q)
 	}
-	pt := proxyPoint{Concurrency: conc, Requests: len(proxied)}
-	pt.DirectP50, pt.DirectP99 = lat(direct, false, 0.5), lat(direct, false, 0.99)
-	pt.ProxyP50, pt.ProxyP99 = lat(proxied, false, 0.5), lat(proxied, false, 0.99)
-	pt.AddedP50, pt.AddedP99 = pt.ProxyP50-pt.DirectP50, pt.ProxyP99-pt.DirectP99
-	pt.FirstAdd50 = lat(proxied, true, 0.5) - lat(direct, true, 0.5)
-	pt.FirstAdd99 = lat(proxied, true, 0.99) - lat(direct, true, 0.99)
-	pt.DirectRPS = float64(len(direct)) / dTime.Seconds()
-	pt.ProxyRPS = float64(len(proxied)) / pTime.Seconds()
-	pt.ProxyCPUus = float64(pCPU.Microseconds()) / float64(len(proxied))
-	pt.Met = pt.AddedP50 <= 500 && pt.AddedP99 <= 2000
+	pt := proxyPoint{}
+	d := samples[0]
+	for i, rt := range routes {
+		s := samples[i]
+		rs := routeStats{Route: rt.name, Requests: len(s), P50: lat(s, false, 0.5), P99: lat(s, false, 0.99)}
+		rs.AddedP50, rs.AddedP99 = rs.P50-lat(d, false, 0.5), rs.P99-lat(d, false, 0.99)
+		rs.FirstAdd50 = lat(s, true, 0.5) - lat(d, true, 0.5)
+		rs.FirstAdd99 = lat(s, true, 0.99) - lat(d, true, 0.99)
+		if elapsed[i] > 0 {
+			rs.RPS = float64(len(s)) / elapsed[i].Seconds()
+		}
+		if rt.pid > 0 && len(s) > 0 {
+			rs.CPUus = float64(cpu[i].Microseconds()) / float64(len(s))
+		}
+		pt.Routes = append(pt.Routes, rs)
+		switch rt.name {
+		case routeDirect:
+			pt.DirectP50, pt.DirectP99, pt.DirectRPS = rs.P50, rs.P99, rs.RPS
+		case routeGonixl:
+			pt.Requests = rs.Requests
+			pt.ProxyP50, pt.ProxyP99, pt.ProxyRPS, pt.ProxyCPUus = rs.P50, rs.P99, rs.RPS, rs.CPUus
+			pt.AddedP50, pt.AddedP99, pt.FirstAdd50, pt.FirstAdd99 = rs.AddedP50, rs.AddedP99, rs.FirstAdd50, rs.FirstAdd99
+			pt.Met = pt.AddedP50 <= 500 && pt.AddedP99 <= 2000
+		}
+	}
+	if pt.Requests == 0 {
+		pt.Requests = len(d)
+	}
+	pt.PeerTarget = comparePeers(pt.Routes)
 	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
 		pt.LoadAverage = strings.Join(strings.Fields(string(b))[:3], " ")
 	}
-	return pt, nil
+	return pt
 }
