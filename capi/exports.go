@@ -294,6 +294,22 @@ func gonixl_scheduler_request_finished(h C.gonixl_scheduler_t, reqID *C.char, re
 	})
 }
 
+//export gonixl_scheduler_push_prompt_done
+func gonixl_scheduler_push_prompt_done(h C.gonixl_scheduler_t, reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t,
+	ids *C.int64_t, nids C.int64_t, lens *C.int64_t, ngroups C.int64_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
+		id, p, err := request(reqID, reqIDLen, pj, pl)
+		if err != nil {
+			return err
+		}
+		blocks, err := blockIDs(ids, nids, lens, ngroups)
+		if err != nil {
+			return err
+		}
+		return s.PushPromptDone(id, p, blocks)
+	})
+}
+
 //export gonixl_scheduler_update_connector_output
 func gonixl_scheduler_update_connector_output(h C.gonixl_scheduler_t, j *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return onScheduler(h, cerr, func(s *shim.Scheduler) error {

@@ -145,6 +145,21 @@ gonixl_status_t gonixl_scheduler_request_finished(gonixl_scheduler_t h,
                                                   int32_t *out_delay, char *out_params,
                                                   size_t *out_len, gonixl_error_t *err);
 
+/* push_prompt_done (push mode, a prefill; vLLM's NixlPushConnector has no
+ * such call): the step being scheduled completes this request's prompt and
+ * finishes it (max_tokens 1), and none of its blocks (block_ids/group_lens,
+ * all of them, per group) is freed before request_finished. Call before this
+ * step's gonixl_scheduler_build_meta: the workers WRITE the blocks to the
+ * decode as soon as the step's forward is done (their next
+ * gonixl_worker_get_finished) instead of after request_finished. The
+ * request's later request_finished must pass finished_normally 1, whatever
+ * its status: its blocks stay held until the WRITE is done. */
+gonixl_status_t gonixl_scheduler_push_prompt_done(gonixl_scheduler_t h, char *req_id,
+                                                  size_t req_id_len, char *params_json,
+                                                  size_t params_len, int64_t *block_ids,
+                                                  int64_t num_block_ids, int64_t *group_lens,
+                                                  int64_t num_groups, gonixl_error_t *err);
+
 /* update_connector_output: finished_recving is a JSON array of request ids. */
 gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,
                                                          char *finished_recving_json,

@@ -488,6 +488,11 @@ type pushSend struct {
 	engine string // the decode engine's id, once matched
 	xfers  []*inflight
 	waitHS bool
+	// early: announced by PushEarly, its request_finished (and so its
+	// lease) not seen yet. computing: the forward that writes its blocks
+	// may still be running (no WRITE before the next GetFinished).
+	early, computing bool
+	since            float64 // when it was announced (early pushes)
 }
 
 // pushFinishedLocked records the step's finished requests' blocks and
@@ -502,7 +507,17 @@ func (w *Worker) pushFinishedLocked(m *StepMeta) {
 		if _, ok := w.toProcess[id]; !ok {
 			continue
 		}
-		if _, dup := w.pushSends[id]; dup {
+		if _, done := w.pushEarlyDone[id]; done {
+			// Its early WRITE already ended (or failed): its blocks are
+			// free to go.
+			delete(w.pushEarlyDone, id)
+			w.held.Drop(id)
+			delete(w.toProcess, id)
+			w.done.Sending = append(w.done.Sending, id)
+			continue
+		}
+		if ps, dup := w.pushSends[id]; dup {
+			ps.early = false // now held under its lease, as any other
 			continue
 		}
 		pf := m.PushFinished[id]
@@ -511,6 +526,57 @@ func (w *Worker) pushFinishedLocked(m *StepMeta) {
 		w.pushOrder = append(w.pushOrder, id)
 		if reg := w.takeRegLocked(id); reg != nil {
 			w.startPushLocked(ps, reg)
+		}
+	}
+}
+
+// pushEarlyLocked takes the step's requests whose prompt its forward
+// completes (Scheduler.PushPromptDone): each is matched with its
+// registration at once (handshaking if needed), and WRITTEN from the next
+// GetFinished on, which vLLM calls after the step's forward, or right away
+// when the registration comes later.
+func (w *Worker) pushEarlyLocked(m *StepMeta) {
+	if len(m.PushEarly) == 0 {
+		return
+	}
+	ids := make([]string, 0, len(m.PushEarly))
+	for id := range m.PushEarly {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	now := w.clock()
+	for _, id := range ids {
+		if _, dup := w.pushSends[id]; dup {
+			continue
+		}
+		pf := m.PushEarly[id]
+		ps := &pushSend{id: id, blocks: pf.Blocks, digest: pf.PromptDigest, early: true, computing: true, since: now}
+		w.pushSends[id] = ps
+		w.pushOrder = append(w.pushOrder, id)
+		w.pushComputing = append(w.pushComputing, id)
+		if reg := w.takeRegLocked(id); reg != nil {
+			w.startPushLocked(ps, reg)
+		}
+	}
+}
+
+// pushComputedLocked marks the early pushes of the last start_load_kv
+// computed (GetFinished runs after the step's forward) and WRITEs those
+// already matched.
+func (w *Worker) pushComputedLocked() {
+	ids := w.pushComputing
+	if len(ids) == 0 {
+		return
+	}
+	w.pushComputing = nil
+	for _, id := range ids {
+		ps := w.pushSends[id]
+		if ps == nil || !ps.computing {
+			continue
+		}
+		ps.computing = false
+		if ps.reg != nil && !ps.waitHS && len(ps.xfers) == 0 {
+			w.startPushLocked(ps, ps.reg)
 		}
 	}
 }
@@ -590,6 +656,9 @@ func (w *Worker) startPushLocked(ps *pushSend, reg *pushReg) {
 		ps.waitHS = true
 		w.startPushHandshakeLocked(reg, ps.id)
 		return
+	}
+	if ps.computing {
+		return // pushComputedLocked WRITEs it
 	}
 	w.writeLocked(ps, re)
 }
@@ -706,6 +775,12 @@ func (w *Worker) pushSentLocked(ps *pushSend) {
 	if i := slices.Index(w.pushOrder, ps.id); i >= 0 {
 		w.pushOrder = append(w.pushOrder[:i], w.pushOrder[i+1:]...)
 	}
+	if ps.early {
+		// vLLM has not finished the request yet: its finished_sending
+		// waits for the request_finished (pushFinishedLocked).
+		w.pushEarlyDone[ps.id] = w.clock()
+		return
+	}
 	if _, held := w.held.Deadline(ps.id); held || w.isToProcess(ps.id) {
 		w.held.Drop(ps.id)
 		delete(w.toProcess, ps.id)
@@ -816,10 +891,21 @@ func (w *Worker) sweepPushLocked() {
 		}
 		w.dropRegLocked(w.pushRegOrder[0])
 	}
+	// An early push whose request_finished never came (vLLM calls it for
+	// every request, within a step or two) is given up after two leases.
+	stale := 2 * w.cfg.KVLeaseDuration
+	for id, t := range w.pushEarlyDone {
+		if now-t > stale {
+			delete(w.pushEarlyDone, id)
+		}
+	}
 	for _, id := range append([]string(nil), w.pushOrder...) {
 		ps := w.pushSends[id]
 		if ps == nil || len(ps.xfers) > 0 || ps.waitHS {
 			continue
+		}
+		if ps.early && now-ps.since <= stale {
+			continue // not held before its request_finished
 		}
 		if _, held := w.held.Deadline(id); !held {
 			// The lease ended (its blocks are freed) before a decode
@@ -867,6 +953,10 @@ func (w *Worker) pushHandshakeDoneLocked(hs *handshakeState, re *remoteEngine, e
 			w.log.Error("NIXL transfer failure: push_handshake_failed", zap.String("request_id", id),
 				zap.String("decode_engine_id", ps.engine), zap.Error(err))
 			w.pushFailedLocked(ps, nil)
+			continue
+		}
+		if ps.computing {
+			ps.waitHS = false // pushComputedLocked WRITEs it
 			continue
 		}
 		w.writeLocked(ps, re)

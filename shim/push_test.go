@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -497,5 +498,127 @@ func TestPushAbortedDecodeCancelsAtOnce(t *testing.T) {
 	})
 	if len(p.work.pushRegs) != 0 {
 		t.Fatal("the prefill kept the aborted request's registration")
+	}
+}
+
+// A prompt completed by a step is WRITTEN once that step's forward is done
+// (the GetFinished after its StartLoadKV), before vLLM finishes the request;
+// its blocks are freed only after both the WRITE and request_finished, in
+// either order. The fake engine copies at Post (Polls -1): a WRITE posted
+// at StartLoadKV, before the "forward" fills the blocks, would carry the
+// old bytes.
+func TestPushEarlyWriteAfterTheForward(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		regFirst bool // the decode registers before the prompt is done
+		finFirst bool // request_finished before the WRITE
+	}{
+		{"registration first", true, false},
+		{"prompt first", false, false},
+		{"prompt first, finished before the registration", false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, p, d := pushPair(t, nil, nil, nixltest.Script{Polls: -1})
+			// Twice: the second time the prefill knows the decode already
+			// (no handshake puts the WRITE off).
+			for round := 0; round < 2; round++ {
+				pid, did := fmt.Sprintf("cmpl-e-%d-aaaaaaaa", round), fmt.Sprintf("cmpl-e-%d-bbbbbbbb", round)
+				client := fmt.Sprintf("cmpl-e-%d", round)
+				r := 3 * int64(round)
+				pblocks, dblocks := []int64{1 + r, 2 + r, 3 + r}, []int64{8 + r, 9 + r, 10 + r}
+				if tc.regFirst {
+					pushDecode(t, d, p, did, client, 12, dblocks, nil)
+					p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+				}
+				in := mustParams(t, `{"do_remote_decode": true}`)
+				if _, err := p.sched.UpdateStateAfterAlloc(pid, in, nil, []int64{0}, 0); err != nil {
+					t.Fatal(err)
+				}
+				if err := p.sched.PushPromptDone(pid, in, BlockIDs{pblocks}); err != nil {
+					t.Fatal(err)
+				}
+				p.step(t) // the step that completes the prompt
+				if ps := p.work.pushSends[pid]; ps == nil || len(ps.xfers) != 0 {
+					t.Fatalf("WRITE posted at start_load_kv, before the forward: %+v", ps)
+				}
+				for l := 0; l < tLayers; l++ { // the forward fills the blocks
+					for kv := 0; kv < 2; kv++ {
+						for _, b := range pblocks {
+							blk := p.kv.block(l, kv, int(b))
+							for i := range blk {
+								blk[i] = byte(0xA0 + l + kv + int(b) + 16*round)
+							}
+						}
+					}
+				}
+				var sent []string
+				collect := func() { sent = append(sent, p.finished(t).Sending...) }
+				collect() // the step's get_finished: computed from here on
+				finish := func() {
+					delay, _, err := p.sched.RequestFinished(pid, in, true, 12, BlockIDs{pblocks})
+					if err != nil || !delay {
+						t.Fatalf("request_finished: delay=%v err=%v", delay, err)
+					}
+					p.step(t)
+				}
+				if tc.finFirst {
+					finish()
+				}
+				if !tc.regFirst {
+					pushDecode(t, d, p, did, client, 12, dblocks, nil)
+				}
+				d.waitFinished(t, "decode recv", func(f Finished) bool {
+					collect()
+					if len(f.Failed) != 0 {
+						t.Fatalf("failed %v", f.Failed)
+					}
+					return contains(f.Recving, did)
+				})
+				checkBlocks(t, d, p, dblocks, pblocks)
+				if !tc.finFirst {
+					for i := 0; i < 3; i++ {
+						collect()
+					}
+					if contains(sent, pid) {
+						t.Fatal("finished_sending reported before request_finished: vLLM would free a running request's blocks")
+					}
+					if _, ok := p.work.pushEarlyDone[pid]; !ok {
+						t.Fatal("the finished early WRITE is not remembered for its request_finished")
+					}
+					finish()
+				}
+				p.waitFinished(t, "prefill frees", func(f Finished) bool { return contains(append(f.Sending, sent...), pid) })
+				if len(p.work.pushSends)+len(p.work.pushRegs)+len(p.work.pushEarlyDone) != 0 {
+					t.Fatalf("prefill kept push state: %d sends, %d registrations, %d early", len(p.work.pushSends), len(p.work.pushRegs), len(p.work.pushEarlyDone))
+				}
+			}
+		})
+	}
+}
+
+// PushPromptDone is push mode's and a prefill's only; announced requests
+// travel in the step's metadata once.
+func TestPushPromptDoneRefusals(t *testing.T) {
+	_, p, _ := pushPair(t, nil, nil)
+	if err := p.sched.PushPromptDone("r", mustParams(t, `{"do_remote_prefill": true}`), BlockIDs{{1}}); !errors.Is(err, ErrInvalidInput) {
+		t.Fatalf("a decode request: %v, want invalid input", err)
+	}
+	pull := newSide(t, nixltest.NewEngine("pull"), "kv_producer", "engine-x", nil, 1, nil)
+	if err := pull.sched.PushPromptDone("r", mustParams(t, `{"do_remote_decode": true}`), BlockIDs{{1}}); !errors.Is(err, ErrInvalidInput) {
+		t.Fatalf("pull mode: %v, want invalid input", err)
+	}
+	if err := p.sched.PushPromptDone("r", mustParams(t, `{"do_remote_decode": true}`), BlockIDs{{1, 2}}); err != nil {
+		t.Fatal(err)
+	}
+	b, err := p.sched.BuildMetaOrIdle()
+	if err != nil || b == nil {
+		t.Fatalf("build_meta: %v %v", b, err)
+	}
+	m, err := DecodeStepMeta(b)
+	if err != nil || m.PushEarly["r"] == nil || m.PushEarly["r"].Blocks.Count() != 2 {
+		t.Fatalf("meta %+v err %v", m, err)
+	}
+	if b, err := p.sched.BuildMetaOrIdle(); err != nil || b != nil {
+		t.Fatalf("the next step is not idle: %d bytes, %v", len(b), err)
 	}
 }

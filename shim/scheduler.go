@@ -2,6 +2,7 @@ package shim
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"sort"
@@ -36,6 +37,7 @@ type Scheduler struct {
 	hbByEngine        map[string]*hbTarget
 	hbReqEngine       map[string][2]string     // local req id -> (engine, remote req id)
 	pushFinished      map[string]*PushFinished // push mode, prefill: blocks to WRITE, for the next step's metadata
+	pushEarly         map[string]*PushFinished // push mode, prefill: requests whose prompt this step completes (PushPromptDone)
 	pushWaiting       map[string]struct{}      // push mode, decode: registered requests not yet received
 	pushAborted       []string                 // push mode, decode: registered requests that finished first (next step's metadata)
 	lastHeartbeat     float64
@@ -72,6 +74,7 @@ func NewScheduler(cfg *Config, clock Clock) (_ *Scheduler, err error) {
 		hbByEngine:       map[string]*hbTarget{},
 		hbReqEngine:      map[string][2]string{},
 		pushFinished:     map[string]*PushFinished{},
+		pushEarly:        map[string]*PushFinished{},
 		pushWaiting:      map[string]struct{}{},
 		// vLLM: kv_lease_duration // 6 (integer seconds).
 		hbInterval: float64(int(cfg.KVLeaseDuration) / 6),
@@ -326,6 +329,9 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 	if len(s.pushFinished) > 0 {
 		m.PushFinished = s.pushFinished
 	}
+	if len(s.pushEarly) > 0 {
+		m.PushEarly = s.pushEarly
+	}
 	m.PushAborted = s.pushAborted
 	if len(s.hbByEngine) > 0 && now-s.lastHeartbeat >= s.hbInterval {
 		s.lastHeartbeat = now
@@ -352,6 +358,9 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 	s.reqsInBatch = map[string]struct{}{}
 	s.reqsNotProcessed = map[string]struct{}{}
 	s.pushFinished = map[string]*PushFinished{}
+	if len(s.pushEarly) > 0 {
+		s.pushEarly = map[string]*PushFinished{}
+	}
 	s.pushAborted = nil
 	return b, nil
 }
@@ -367,12 +376,41 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 func (s *Scheduler) BuildMetaOrIdle() ([]byte, error) {
 	s.mu.Lock()
 	idle := len(s.reqsNeedRecv) == 0 && len(s.reqsNeedSend) == 0 && len(s.reqsInBatch) == 0 && len(s.reqsNotProcessed) == 0 &&
-		len(s.pushFinished) == 0 && len(s.pushAborted) == 0 && len(s.hbByEngine) == 0
+		len(s.pushFinished) == 0 && len(s.pushEarly) == 0 && len(s.pushAborted) == 0 && len(s.hbByEngine) == 0
 	s.mu.Unlock()
 	if idle {
 		return nil, nil
 	}
 	return s.BuildMeta()
+}
+
+// PushPromptDone (push mode, a prefill) names a request whose prompt the
+// step being scheduled completes, with its blocks: the workers WRITE them
+// as soon as that step's forward is done (Worker.GetFinished), instead of
+// after request_finished, which vLLM calls once the step's output is
+// processed and whose blocks reach the workers only with a later step's
+// metadata, after that step's forward (another prefill's, when several
+// queue). The caller guarantees that the request finishes with this step
+// (max_tokens 1) and that no block of it is freed before request_finished
+// (full-attention groups only); request_finished must then report it as a
+// push send whatever its status, so that its blocks stay held while the
+// WRITE may read them.
+func (s *Scheduler) PushPromptDone(reqID string, p *TransferParams, blockIDs BlockIDs) (err error) {
+	defer classify(&err, ErrInvalidInput)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.push() {
+		return errors.New("push_prompt_done: this engine is not in push mode")
+	}
+	if p == nil || !p.DoRemoteDecode {
+		return errors.New("push_prompt_done: the request is not a prefill for a remote decode (do_remote_decode)")
+	}
+	blockIDs = clipToWindow(blockIDs, s.cfg.TransferGroups, s.cfg.HMARequired)
+	if blockIDs.Empty() {
+		return nil
+	}
+	s.pushEarly[reqID] = &PushFinished{Blocks: blockIDs, PromptDigest: p.PromptDigest}
+	return nil
 }
 
 // RequestFinished decides whether a finished request's blocks are freed now

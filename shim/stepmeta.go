@@ -81,6 +81,11 @@ type StepMeta struct {
 	// PushAborted (push mode, a decode): requests vLLM finished while they
 	// waited for the prefill's WRITE.
 	PushAborted []string `msgpack:"push_aborted,omitempty"`
+	// PushEarly (push mode, a prefill): requests whose prompt this step's
+	// forward completes, with their blocks, WRITTEN once the forward is done
+	// (Scheduler.PushPromptDone); their request_finished follows as
+	// PushFinished in a later step.
+	PushEarly map[string]*PushFinished `msgpack:"push_early,omitempty"`
 }
 
 // stepMetaVersion guards against a scheduler and worker from different
@@ -144,12 +149,14 @@ func (m *StepMeta) sizeHint() int {
 			n += 11 + len(id)
 		}
 	}
-	for id, pf := range m.PushFinished {
-		if pf == nil {
-			n += 16 + len(id)
-			continue
+	for _, pm := range []map[string]*PushFinished{m.PushFinished, m.PushEarly} {
+		for id, pf := range pm {
+			if pf == nil {
+				n += 16 + len(id)
+				continue
+			}
+			n += 64 + len(id) + len(pf.PromptDigest) + 8*(pf.Blocks.Count()+len(pf.Blocks))
 		}
-		n += 64 + len(id) + len(pf.PromptDigest) + 8*(pf.Blocks.Count()+len(pf.Blocks))
 	}
 	return n
 }
@@ -183,9 +190,11 @@ func (m *StepMeta) dropNil() {
 			delete(m.ReqsToRecv, id)
 		}
 	}
-	for id, pf := range m.PushFinished {
-		if pf == nil {
-			delete(m.PushFinished, id)
+	for _, pm := range []map[string]*PushFinished{m.PushFinished, m.PushEarly} {
+		for id, pf := range pm {
+			if pf == nil {
+				delete(pm, id)
+			}
 		}
 	}
 	for eng, hb := range m.Heartbeats {

@@ -133,8 +133,14 @@ type Worker struct {
 	pushOrder    []string
 	pushRegs     map[string]*pushReg
 	pushRegOrder []string
-	lastPoll     time.Time // GetFinished's last call (pollgap.go)
-	lockHolder   string    // the last section that took mu through lockTimed
+	// Early pushes (StepMeta.PushEarly): those whose step's forward may
+	// still be running (WRITTEN from the next GetFinished on), and those
+	// whose WRITE ended before their request_finished reached this worker
+	// (reported as finished_sending then), with the time they ended.
+	pushComputing []string
+	pushEarlyDone map[string]float64
+	lastPoll      time.Time // GetFinished's last call (pollgap.go)
+	lockHolder    string    // the last section that took mu through lockTimed
 }
 
 // NewWorker validates cfg and creates the worker side. clock may be nil.
@@ -154,20 +160,21 @@ func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
 		clock: clock,
 		log: Logger().With(zap.String("role", "worker"), zap.String("engine_id", cfg.EngineID),
 			zap.Int("tp_rank", cfg.TPRank), zap.Int("pp_rank", cfg.PPRank)),
-		prom:       prom,
-		stats:      newStats(prom),
-		remotes:    map[string]*remoteEngine{},
-		slotLists:  map[int][]nixl.DescList{},
-		subLists:   map[int]nixl.DescList{},
-		handshakes: map[string]*handshakeState{},
-		recv:       map[string]*recvState{},
-		invalid:    map[int64]struct{}{},
-		toProcess:  map[string]struct{}{},
-		pushSends:  map[string]*pushSend{},
-		pushRegs:   map[string]*pushReg{},
-		held:       newLeases(clock),
-		consumers:  map[string]int{},
-		floors:     newLeases(clock),
+		prom:          prom,
+		stats:         newStats(prom),
+		remotes:       map[string]*remoteEngine{},
+		slotLists:     map[int][]nixl.DescList{},
+		subLists:      map[int]nixl.DescList{},
+		handshakes:    map[string]*handshakeState{},
+		recv:          map[string]*recvState{},
+		invalid:       map[int64]struct{}{},
+		toProcess:     map[string]struct{}{},
+		pushSends:     map[string]*pushSend{},
+		pushRegs:      map[string]*pushReg{},
+		pushEarlyDone: map[string]float64{},
+		held:          newLeases(clock),
+		consumers:     map[string]int{},
+		floors:        newLeases(clock),
 		// vLLM: kv_lease_duration * 2 // 3
 		leaseExtend: float64(int(cfg.KVLeaseDuration) * 2 / 3),
 		leaseMargin: leaseMarginFor(cfg.KVLeaseDuration),
@@ -330,6 +337,7 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 	}
 	w.startReadsLocked(m)
 	w.holdForReadersLocked(m)
+	w.pushEarlyLocked(m)
 	w.pushFinishedLocked(m)
 	w.pushAbortedLocked(m.PushAborted)
 	if !w.engineBusyLocked() {
@@ -347,6 +355,7 @@ func (w *Worker) GetFinished() ([]byte, error) {
 	w.notePollLocked()
 	if w.agent != nil && !w.engineBusyLocked() {
 		w.postDeferredLocked()
+		w.pushComputedLocked()
 		t0 := time.Now()
 		w.pollTransfersLocked()
 		t1 := time.Now()

@@ -87,6 +87,14 @@ PROTOTYPES: list[tuple[str, object, list]] = [
         status_t,
         [handle_t, buf, size, buf, size, i32, i64, i64_p, i64, i64_p, i64, i32_p, buf, size_p, error_p],
     ),
+    # gonixl_status_t gonixl_scheduler_push_prompt_done(gonixl_scheduler_t h, char *req_id,
+    #     size_t req_id_len, char *params_json, size_t params_len, int64_t *block_ids,
+    #     int64_t num_block_ids, int64_t *group_lens, int64_t num_groups, gonixl_error_t *err);
+    (
+        "gonixl_scheduler_push_prompt_done",
+        status_t,
+        [handle_t, buf, size, buf, size, i64_p, i64, i64_p, i64, error_p],
+    ),
     # gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,
     #     char *finished_recving_json, size_t json_len, gonixl_error_t *err);
     ("gonixl_scheduler_update_connector_output", status_t, [handle_t, buf, size, error_p]),
@@ -165,6 +173,7 @@ HOT = frozenset(
         "gonixl_scheduler_update_state_after_alloc",
         "gonixl_scheduler_build_meta",
         "gonixl_scheduler_request_finished",
+        "gonixl_scheduler_push_prompt_done",
         "gonixl_scheduler_update_connector_output",
         "gonixl_worker_start_load_kv",
         "gonixl_worker_get_finished",

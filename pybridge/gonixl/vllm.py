@@ -110,10 +110,19 @@ class GoNixlConnectorMetadata(KVConnectorMetadata):
     remote decode (device -> host, in wait_for_save); recv, per request,
     the blocks a READ fills (host -> device once it is done)."""
 
-    def __init__(self, data: bytes, save: Optional[dict[str, list[int]]] = None, recv: Optional[dict[str, list[int]]] = None):
+    def __init__(
+        self,
+        data: bytes,
+        save: Optional[dict[str, list[int]]] = None,
+        recv: Optional[dict[str, list[int]]] = None,
+        push_early: bool = False,
+    ):
         self.data = data
         self.save = save or {}
         self.recv = recv or {}
+        # Push mode: this step completes prompts whose WRITE the workers
+        # post once its forward is done (gonixl_scheduler_push_prompt_done).
+        self.push_early = push_early
 
 
 #: Test knob: host staging on vLLM's CPU platform, where vLLM never stages
@@ -373,6 +382,24 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # not yet handed to the worker.
         self._push_sending: set[str] = set()
         self._push_registering: set[str] = set()
+        # Push mode, a prefill: requests for a remote decode whose blocks
+        # can be WRITTEN as soon as the step that completes their prompt has
+        # run, before vLLM finishes them (gonixl_scheduler_push_prompt_done):
+        # max_tokens 1, so that step finishes them, and full-attention
+        # transfer groups only, so that no block of theirs is freed before
+        # request_finished. The blocks so far, per KV-cache group; then the
+        # ids announced, until their request_finished.
+        groups, _ = _transfer_groups(vllm_config, kv_cache_config)
+        self._push_early_ok = (
+            self._TRANSFER_MODE == "push"
+            and role == KVConnectorRole.SCHEDULER
+            and not self._staging
+            and bool(groups)
+            and all(g["kind"] in ("full", "mla") for g in groups)
+        )
+        self._push_early: dict[str, tuple["Request", list[list[int]]]] = {}
+        self._push_early_sent: set[str] = set()
+        self._kv_on_cuda = False
         # Calls skipped while they have nothing to do: the scheduler's
         # build_meta until a scheduler call changes its state (an idle step),
         # the worker's load errors and stats until get_finished says there
@@ -543,6 +570,13 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if not pj:
             return
         params = request.kv_transfer_params or {}
+        if (
+            self._push_early_ok
+            and params.get("do_remote_decode")
+            and getattr(request, "max_tokens", None) == 1
+            and request.request_id not in self._push_early_sent
+        ):
+            self._push_early.setdefault(request.request_id, (request, []))
         push_register = self._TRANSFER_MODE == "push" and num_external_tokens > 0 and bool(params.get("do_remote_prefill"))
         if push_register:
             # The registration carries this prompt's digest: the prefill
@@ -596,7 +630,47 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             if push_register:
                 self._push_registering.add(request.request_id)
 
+    def _push_prompts_done(self, scheduler_output: "SchedulerOutput") -> bool:
+        """Push mode, a prefill: announces the requests whose prompt this
+        step completes, with all their blocks (tracked from vLLM's per-step
+        block lists, as its _build_save_meta does). True if any was."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+
+        announced = False
+        scheduled_tokens = scheduler_output.num_scheduled_tokens or {}
+        for req_id, new_groups, resumed in yield_req_data(scheduler_output):
+            entry = self._push_early.get(req_id)
+            if entry is None:
+                continue
+            req, acc = entry
+            if new_groups is not None:
+                if resumed or not acc:
+                    acc[:] = [list(g) for g in new_groups]
+                else:
+                    for g, new in zip(acc, new_groups, strict=True):
+                        g.extend(new)
+            if req.num_computed_tokens + scheduled_tokens.get(req_id, 0) < req.num_prompt_tokens:
+                continue
+            del self._push_early[req_id]
+            groups: Any = tuple(acc)
+            if len(groups) == len(self.kv_cache_config.kv_cache_groups):
+                groups = self.kv_cache_config.select_transfer_block_ids(groups)
+            params = dict(req.kv_transfer_params or {})
+            digest = prompt_digest(req.prompt_token_ids, req.num_prompt_tokens)
+            if digest is not None:
+                params[PROMPT_DIGEST_KEY] = digest
+            pj = json.dumps(params, default=_json_default).encode()
+            ids, n, lens, ng = flatten_groups(groups)
+            rid = _s(req_id)
+            fn = "gonixl_scheduler_push_prompt_done"
+            if self._call_request(fn, req, self._sched, rid, len(rid), pj, len(pj), ids, n, lens, ng):
+                self._push_early_sent.add(req_id)
+                self._sched_dirty = True
+                announced = True
+        return announced
+
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        push_early = bool(self._push_early) and self._push_prompts_done(scheduler_output)
         if self._sched_dirty:
             # The library answers b"" for an idle step (no work, no timer
             # pending), which stays idle until one of the calls that set
@@ -608,7 +682,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             data = b""
         self._push_registering.clear()  # handed to the worker with this step
         if not self._staging:
-            return GoNixlConnectorMetadata(data)
+            return GoNixlConnectorMetadata(data, push_early=push_early)
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
         # As vLLM's _build_save_meta: a prefill for a remote decode saves
@@ -641,12 +715,18 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, Optional[dict[str, Any]]]:
         self._need_save.pop(request.request_id, None)
+        self._push_early.pop(request.request_id, None)
+        # Announced by _push_prompts_done: its WRITE may be reading its
+        # blocks, so they are held as for any finished push, whatever the
+        # status (an abort after the prompt was computed: its KV is whole).
+        early = request.request_id in self._push_early_sent
+        self._push_early_sent.discard(request.request_id)
         pj = _params_json(request)
         if not pj:
             return False, None
         from vllm.v1.request import RequestStatus
 
-        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        normal = early or request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         push_send = self._TRANSFER_MODE == "push" and normal and bool((request.kv_transfer_params or {}).get("do_remote_decode"))
         if push_send:
             # Its WRITE goes only to a decode whose prompt has this digest.
@@ -762,6 +842,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             "kernel_layout": kernel,
         }
         j = json.dumps(init).encode()
+        self._kv_on_cuda = any(t.is_cuda for t in kv_caches.values())
         _lib.call("gonixl_worker_register_kv_caches", self._worker, j, len(j))
         self._handshake = GoNixlHandshakeMetadata(_lib.call_bytes("gonixl_worker_handshake_payload", self._worker))
 
@@ -794,6 +875,12 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             self._host.save_to_host(blocks)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._kv_on_cuda:
+            meta = self._connector_metadata
+            if isinstance(meta, GoNixlConnectorMetadata) and meta.push_early:
+                # The library WRITEs this step's completed prompts now: the
+                # forward's kernels that fill their blocks must be done.
+                torch.cuda.synchronize()
         r = json.loads(_lib.call_bytes("gonixl_worker_get_finished", self._worker))
         # Whether the next two per-step calls have anything to return.
         self._load_errors_pending = bool(r.get("load_errors_pending"))

@@ -174,3 +174,43 @@ def test_aborted_decode_request_is_not_registered(pd):
     assert not d.sched.has_pending_push_work()
     d.sched.update_state_after_alloc(req, KVCacheBlocks(([],)), 0)
     assert not d.sched.has_pending_push_work()
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED])
+def test_push_writes_once_the_prompt_is_computed(pd, status):
+    """The prefill WRITEs as soon as the step that completes a max_tokens=1
+    prompt has run, before vLLM finishes the request (the decode has its KV
+    with the prefill still holding the request); the blocks are freed only
+    after request_finished, which holds them whatever its status (an abort
+    after the prompt was computed still leaves whole KV being read)."""
+    p, d = pd
+    tag = status.name.split("_")[-1].lower()
+    pid, did = f"cmpl-early{tag}-0-1a2b3c4d", f"cmpl-early{tag}-0-5e6f7a8b"
+    n = 2 * h.BLOCK_SIZE + 3
+    before = d.snapshot()
+    dr = decode_push(d, did, n, proxy_params(p, f"cmpl-early{tag}-0"))
+    h.run_steps([d, p], 5)  # the registration reaches the prefill
+    req = p.request(pid, n, dict(h.PROXY_PREFILL_PARAMS))
+    p.add_request(req)
+    assert p.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    blocks = p.alloc(h.cdiv(n, p.block_size))
+    p.sched.update_state_after_alloc(req, KVCacheBlocks((blocks,)), 0)
+    req.status = RequestStatus.RUNNING
+    ids = [b.block_id for b in blocks]
+    for b in ids:
+        p.fill_block(b, 21.0)
+    p.scheduling.append((pid, ids, n))
+    p.step()  # the forward that completes the prompt
+    h.run_until([p, d], lambda: did in d.out.recving, f"early push into {did}")
+    assert did not in d.out.failed
+    assert_blocks_copied(p, d, ids, dr.new_blocks, _with(before, d, []))
+    assert pid not in p.out.sending, "finished_sending before request_finished: vLLM would free a running request's blocks"
+    req.num_computed_tokens = n
+    req.status = status
+    delay, _ = p.sched.request_finished(req, ids)
+    assert delay is True
+    p.held[pid] = ids
+    p.finished_req_ids.add(pid)
+    h.run_until([p, d], lambda: pid in p.out.sending, f"prefill frees {pid}")
+    assert not p.sched.has_pending_push_work()
+    d.free(dr.new_blocks)
