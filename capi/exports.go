@@ -97,6 +97,17 @@ func request(reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t) (string,
 	return id, p, err
 }
 
+// requestBlocks is request plus the request's block ids per group.
+func requestBlocks(reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t, ids *C.int64_t, nids C.int64_t,
+	lens *C.int64_t, ngroups C.int64_t) (string, *shim.TransferParams, shim.BlockIDs, error) {
+	id, p, err := request(reqID, reqIDLen, pj, pl)
+	if err != nil {
+		return "", nil, nil, err
+	}
+	blocks, err := blockIDs(ids, nids, lens, ngroups)
+	return id, p, blocks, err
+}
+
 func params(p *C.char, n C.size_t) (*shim.TransferParams, error) {
 	b, err := readIn(p, n, "params_json")
 	if err != nil {
@@ -218,11 +229,7 @@ func gonixl_scheduler_update_state_after_alloc(h C.gonixl_scheduler_t, reqID *C.
 		if err != nil {
 			return err
 		}
-		id, p, err := request(reqID, reqIDLen, pj, pl)
-		if err != nil {
-			return err
-		}
-		blocks, err := blockIDs(ids, nids, lens, ngroups)
+		id, p, blocks, err := requestBlocks(reqID, reqIDLen, pj, pl, ids, nids, lens, ngroups)
 		if err != nil {
 			return err
 		}
@@ -260,11 +267,7 @@ func gonixl_scheduler_request_finished(h C.gonixl_scheduler_t, reqID *C.char, re
 		if err != nil {
 			return err
 		}
-		id, p, err := request(reqID, reqIDLen, pj, pl)
-		if err != nil {
-			return err
-		}
-		blocks, err := blockIDs(ids, nids, lens, ngroups)
+		id, p, blocks, err := requestBlocks(reqID, reqIDLen, pj, pl, ids, nids, lens, ngroups)
 		if err != nil {
 			return err
 		}
@@ -298,11 +301,7 @@ func gonixl_scheduler_request_finished(h C.gonixl_scheduler_t, reqID *C.char, re
 func gonixl_scheduler_push_prompt_done(h C.gonixl_scheduler_t, reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t,
 	ids *C.int64_t, nids C.int64_t, lens *C.int64_t, ngroups C.int64_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
-		id, p, err := request(reqID, reqIDLen, pj, pl)
-		if err != nil {
-			return err
-		}
-		blocks, err := blockIDs(ids, nids, lens, ngroups)
+		id, p, blocks, err := requestBlocks(reqID, reqIDLen, pj, pl, ids, nids, lens, ngroups)
 		if err != nil {
 			return err
 		}
