@@ -14,7 +14,47 @@ type object map[string]json.RawMessage
 
 var errNotObject = errors.New("request body must be a JSON object")
 
+// parseObject parses a JSON object. It accepts and rejects exactly what
+// json.Unmarshal into an object does, with the same errors, but does not
+// decode through reflection: validJSON checks the whole text, then one
+// walk over the top level maps each key to its value's bytes. The values
+// alias b, which must not change afterwards.
 func parseObject(b []byte) (object, error) {
+	if !validJSON(b) {
+		return unmarshalObject(b) // its error
+	}
+	i := skipSpace(b, 0)
+	if b[i] != '{' {
+		// null is a nil object; any other value an error of json.Unmarshal's.
+		return unmarshalObject(b)
+	}
+	o := make(object, 8)
+	i = skipSpace(b, i+1)
+	if b[i] == '}' {
+		return o, nil
+	}
+	for {
+		kEnd := skipString(b, i)
+		key, ok := plainKey(b[i+1 : kEnd-1])
+		if !ok {
+			if err := json.Unmarshal(b[i:kEnd], &key); err != nil {
+				return nil, err // cannot happen: the text is valid
+			}
+		}
+		i = skipSpace(b, kEnd)
+		i = skipSpace(b, i+1) // past ':'
+		vEnd := skipValue(b, i)
+		o[key] = json.RawMessage(b[i:vEnd:vEnd])
+		i = skipSpace(b, vEnd)
+		if b[i] == '}' {
+			return o, nil
+		}
+		i = skipSpace(b, i+1) // past ','
+	}
+}
+
+// unmarshalObject is parseObject through encoding/json (its error paths).
+func unmarshalObject(b []byte) (object, error) {
 	var o object
 	if err := json.Unmarshal(b, &o); err != nil {
 		return nil, err
@@ -23,6 +63,66 @@ func parseObject(b []byte) (object, error) {
 		return nil, errNotObject
 	}
 	return o, nil
+}
+
+// The scanners below walk text that validJSON accepted.
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// skipString returns the index past the string that starts at b[i] ('"').
+func skipString(b []byte, i int) int {
+	for i++; ; i++ {
+		switch b[i] {
+		case '\\':
+			i++
+		case '"':
+			return i + 1
+		}
+	}
+}
+
+// skipValue returns the index past the value that starts at b[i].
+func skipValue(b []byte, i int) int {
+	switch b[i] {
+	case '"':
+		return skipString(b, i)
+	case '{', '[':
+		depth := 0
+		for ; ; i++ {
+			switch b[i] {
+			case '"':
+				i = skipString(b, i) - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				if depth--; depth == 0 {
+					return i + 1
+				}
+			}
+		}
+	default: // number, true, false, null
+		for i < len(b) && b[i] != ',' && b[i] != '}' && b[i] != ']' &&
+			b[i] != ' ' && b[i] != '\t' && b[i] != '\n' && b[i] != '\r' {
+			i++
+		}
+		return i
+	}
+}
+
+// plainKey returns a key's text when it needs no decoding (printable ASCII
+// without escapes), as encoding/json would decode it.
+func plainKey(b []byte) (string, bool) {
+	for _, c := range b {
+		if c == '\\' || c >= 0x80 {
+			return "", false
+		}
+	}
+	return string(b), true
 }
 
 func (o object) clone() object {
@@ -133,15 +233,27 @@ func multiturnPrefillBody(req object, params []byte) ([]byte, error) {
 // kvParams returns the kv_transfer_params of a response (or stream chunk) when
 // they are a non-empty JSON object, as the reference's truthiness test does.
 func kvParams(o object) (object, bool) {
-	raw, ok := o["kv_transfer_params"]
-	if !ok {
+	if !hasKVParams(o) {
 		return nil, false
 	}
-	p, err := parseObject(raw)
+	p, err := parseObject(o["kv_transfer_params"])
 	if err != nil || len(p) == 0 {
 		return nil, false
 	}
 	return p, true
+}
+
+// hasKVParams is kvParams's test without parsing the params: o's values are
+// valid JSON (parseObject), so a non-empty object is '{' followed by
+// something other than '}'.
+func hasKVParams(o object) bool {
+	raw := o["kv_transfer_params"]
+	i := skipSpace(raw, 0)
+	if i >= len(raw) || raw[i] != '{' {
+		return false
+	}
+	i = skipSpace(raw, i+1)
+	return i < len(raw) && raw[i] != '}'
 }
 
 // withRemoteHost returns params with remote_host set to host.

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -126,8 +127,13 @@ type Config struct {
 	// ids, and a client must not be able to point a decode at them.
 	ForwardClientKVParams bool
 
-	// Transport overrides the upstream transport (tests, benchmarks).
+	// Transport, when set, replaces the lean upstream client of the
+	// completion requests (upstream.go) by net/http with this transport
+	// (tests, comparisons); GET /v1/models always goes through net/http.
 	Transport http.RoundTripper
+	// DialContext, when set, opens the upstream connections (tests); nil
+	// means a net.Dialer with ConnectTimeout.
+	DialContext func(ctx context.Context, network, addr string) (net.Conn, error)
 	// Registry receives the proxy's metrics; nil means a private registry.
 	// /metrics serves this registry.
 	Registry *prometheus.Registry

@@ -56,14 +56,23 @@
 //   - GET /v1/models is forwarded to a decode instance, and both health
 //     endpoints and /metrics are served in both modes.
 //
-// Imports: the standard library (net/http, net/http/httputil, encoding/json),
-// client_golang and zap. It imports none of gonixl's engine packages (nixl,
-// shim, sidechannel, capi): the proxy only moves JSON between HTTP servers.
+// Request-path cost: the prefill and decode requests go through a lean
+// HTTP/1.1 client (upstream.go: pooled keep-alive connections, the request
+// written and the response read on the handler's goroutine; its reuse and
+// retry rules are documented there), and JSON bodies are parsed by a
+// top-level scan that keeps encoding/json's acceptance and errors (body.go,
+// valid.go). Config.Transport puts net/http's client back (tests).
+//
+// Imports: the standard library (net/http, net/http/httputil, encoding/json,
+// syscall for the idle-connection check), client_golang and zap. It imports
+// none of gonixl's engine packages (nixl, shim, sidechannel, capi): the proxy
+// only moves JSON between HTTP servers.
 //
 // Concurrency: a *Proxy is safe for concurrent use by any number of requests
 // (it is an http.Handler). Round-robin counters are atomic; the conversation
 // cache is guarded by a mutex and reads time only through Config.Clock, so tests
 // drive expiry without sleeping. The package starts no goroutines of its own
-// beyond those net/http starts per connection, and never calls os.Exit or
-// installs signal handlers.
+// beyond those net/http starts per connection and the idle-connection sweep
+// timer of each upstream pool (time.AfterFunc, armed while idle connections
+// exist), and never calls os.Exit or installs signal handlers.
 package proxy

@@ -74,19 +74,25 @@ func (f *fakeOpenAI) requests() []received {
 	return append([]received(nil), f.reqs...)
 }
 
-// testTransport dials "*.test" host names on 127.0.0.1.
+// testDial dials "*.test" host names on 127.0.0.1.
+func testDial(ctx context.Context, network, addr string) (net.Conn, error) {
+	host, port, err := net.SplitHostPort(addr)
+	if err == nil && strings.HasSuffix(host, ".test") {
+		addr = net.JoinHostPort("127.0.0.1", port)
+	}
+	return (&net.Dialer{Timeout: 2 * time.Second}).DialContext(ctx, network, addr)
+}
+
+// testTransport is net/http's transport over testDial.
 func testTransport() *http.Transport {
 	tr := NewTransport(2*time.Second, 0)
-	d := &net.Dialer{Timeout: 2 * time.Second}
-	tr.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		host, port, err := net.SplitHostPort(addr)
-		if err == nil && strings.HasSuffix(host, ".test") {
-			addr = net.JoinHostPort("127.0.0.1", port)
-		}
-		return d.DialContext(ctx, network, addr)
-	}
+	tr.DialContext = testDial
 	return tr
 }
+
+// rigTransport, when set, makes newRig's proxies use net/http with it
+// instead of the lean upstream client (TestNetHTTPUpstream).
+var rigTransport func() http.RoundTripper
 
 // prefillParams are the kv_transfer_params a fake prefill instance returns.
 func prefillParams(name string) map[string]any {
@@ -206,7 +212,10 @@ func newRig(t *testing.T, prefill, decode []*fakeOpenAI, mod func(*Config)) *rig
 	t.Helper()
 	r := &rig{t: t, prefill: prefill, decode: decode, reg: prometheus.NewRegistry(),
 		now: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)}
-	cfg := Config{Transport: testTransport(), Registry: r.reg, Clock: r.clock, UpstreamTimeout: waitLimit}
+	cfg := Config{DialContext: testDial, Registry: r.reg, Clock: r.clock, UpstreamTimeout: waitLimit}
+	if rigTransport != nil {
+		cfg.Transport = rigTransport()
+	}
 	for _, f := range prefill {
 		cfg.Prefill = append(cfg.Prefill, f.instance())
 	}

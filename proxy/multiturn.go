@@ -141,7 +141,9 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 		h.Set("Cache-Control", "no-cache")
 		ex.setServerTiming(h)
 		ex.w.WriteHeader(http.StatusOK)
-		ex.w.Flush()
+		if !bodyBuffered(resp.Body) {
+			ex.w.Flush() // else the headers go with the first events
+		}
 		for {
 			line, rerr := br.ReadBytes('\n')
 			if len(line) > 0 {

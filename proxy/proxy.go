@@ -1,9 +1,9 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -25,8 +25,9 @@ import (
 // Proxy is the P/D proxy; it is an http.Handler.
 type Proxy struct {
 	cfg     Config
-	clients map[Instance]*http.Client // one per upstream instance, as the reference's httpx clients
-	owned   []*http.Transport         // transports New made, closed by Close
+	clients map[Instance]upstreamClient // one per upstream instance, as the reference's httpx clients
+	owned   []*http.Transport           // transports New made, closed by Close
+	pools   []*leanPool                 // lean clients New made, closed by Close
 	cache   *ConversationCache
 	m       *metrics
 	mux     *http.ServeMux
@@ -49,23 +50,38 @@ func New(cfg Config) (*Proxy, error) {
 	cfg.applyDefaults()
 	cfg.Prefill = append([]Instance(nil), cfg.Prefill...)
 	cfg.Decode = append([]Instance(nil), cfg.Decode...)
-	p := &Proxy{cfg: cfg, clients: make(map[Instance]*http.Client)}
-	// A transport per instance: separate connection pools (and pool locks)
+	p := &Proxy{cfg: cfg, clients: make(map[Instance]upstreamClient)}
+	// A client per instance: separate connection pools (and pool locks)
 	// per upstream. No client-level timeout: a decode stream may legitimately
-	// run long; the waits are bounded per phase (see upstreamTimer).
+	// run long; the waits are bounded per phase (see upstreamTimer). The
+	// lean client (upstream.go) unless a Transport is injected.
 	newRT := func() http.RoundTripper {
 		if cfg.Transport != nil {
 			return cfg.Transport
 		}
 		tr := NewTransport(cfg.ConnectTimeout, cfg.UpstreamTimeout)
 		tr.IdleConnTimeout = cfg.UpstreamIdleTimeout
+		if cfg.DialContext != nil {
+			tr.DialContext = cfg.DialContext
+		}
 		p.owned = append(p.owned, tr)
 		return tr
 	}
+	dial := cfg.DialContext
+	if dial == nil {
+		dial = (&net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second}).DialContext
+	}
 	for _, in := range append(append([]Instance(nil), cfg.Prefill...), cfg.Decode...) {
-		if p.clients[in] == nil {
-			p.clients[in] = &http.Client{Transport: newRT()}
+		if p.clients[in] != nil {
+			continue
 		}
+		if cfg.Transport != nil {
+			p.clients[in] = &httpUpstream{base: in.BaseURL(), client: &http.Client{Transport: cfg.Transport}}
+			continue
+		}
+		lp := newLeanPool(in, dial, cfg.UpstreamIdleTimeout)
+		p.pools = append(p.pools, lp)
+		p.clients[in] = lp
 	}
 	p.cache = NewConversationCache(cfg.CacheTTL, cfg.MaxConversations, cfg.Clock)
 	m, err := newMetrics(cfg.Registry, func() float64 { return float64(p.cache.Len()) })
@@ -106,10 +122,14 @@ func New(cfg Config) (*Proxy, error) {
 // ServeHTTP implements http.Handler.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) { p.mux.ServeHTTP(w, r) }
 
-// Close releases the idle upstream connections of the transports New made.
+// Close releases the idle upstream connections of the clients New made;
+// connections in use are closed when their request ends.
 func (p *Proxy) Close() {
 	for _, tr := range p.owned {
 		tr.CloseIdleConnections()
+	}
+	for _, lp := range p.pools {
+		lp.close()
 	}
 }
 
@@ -162,7 +182,10 @@ type exchange struct {
 // prefill's share of its TTFT (gonixl-bench multiturn reports it per turn).
 func (ex *exchange) setServerTiming(h http.Header) {
 	if ex.prefillDur > 0 {
-		h.Set("Server-Timing", fmt.Sprintf("prefill;dur=%.1f", float64(ex.prefillDur)/float64(time.Millisecond)))
+		b := make([]byte, 0, 32)
+		b = append(b, "prefill;dur="...)
+		b = strconv.AppendFloat(b, float64(ex.prefillDur)/float64(time.Millisecond), 'f', 1, 64)
+		h["Server-Timing"] = []string{string(b)}
 	}
 }
 
@@ -242,15 +265,13 @@ func (p *Proxy) setAuth(h http.Header, client http.Header) {
 	}
 }
 
-func (p *Proxy) newUpstreamRequest(ctx context.Context, ex *exchange, inst Instance, body []byte) (*http.Request, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, inst.BaseURL()+ex.endpoint, bytes.NewReader(body))
-	if err != nil {
-		return nil, err
+// send posts body to inst at the exchange's endpoint.
+func (p *Proxy) send(ctx context.Context, ex *exchange, inst Instance, body []byte) (*http.Response, error) {
+	h := upstreamHeaders{requestID: ex.reqID, authorization: ex.r.Header.Get("Authorization")}
+	if p.cfg.APIKey != "" {
+		h.authorization = "Bearer " + p.cfg.APIKey
 	}
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-Request-Id", ex.reqID)
-	p.setAuth(req.Header, ex.r.Header)
-	return req, nil
+	return p.clients[inst].post(ctx, ex.endpoint, h, body)
 }
 
 // errUpstreamTimeout is the cancellation cause when an upstream wait runs
@@ -265,12 +286,8 @@ func (p *Proxy) prefill(ex *exchange, inst Instance, body []byte) (object, *upst
 	fail := func(reason string, err error) *upstreamError {
 		return &upstreamError{role: rolePrefill, target: inst.String(), reason: reason, err: err}
 	}
-	req, err := p.newUpstreamRequest(ctx, ex, inst, body)
-	if err != nil {
-		return nil, fail("transport", err)
-	}
 	start := time.Now()
-	resp, err := p.clients[inst].Do(req)
+	resp, err := p.send(ctx, ex, inst, body)
 	if err != nil {
 		return nil, fail(reasonOf(ctx, err), err)
 	}
@@ -322,12 +339,8 @@ func (p *Proxy) openDecode(ex *exchange, inst Instance, body []byte) (*http.Resp
 		cancel(nil)
 		return &upstreamError{role: roleDecode, target: inst.String(), reason: reason, err: err}
 	}
-	req, err := p.newUpstreamRequest(ctx, ex, inst, body)
-	if err != nil {
-		return nil, nil, nil, nil, fail("transport", err)
-	}
 	start := time.Now()
-	resp, err := p.clients[inst].Do(req)
+	resp, err := p.send(ctx, ex, inst, body)
 	if err != nil {
 		return nil, nil, nil, nil, fail(reasonOf(ctx, err), err)
 	}
@@ -413,13 +426,26 @@ func (p *Proxy) writeFailure(w http.ResponseWriter, r *http.Request, ue *upstrea
 }
 
 // readBody reads a whole body, sized up front when its length is known.
+// (bytes.Buffer.ReadFrom would grow a buffer of the exact size before its
+// first read.)
 func readBody(r io.Reader, length, limit int64) ([]byte, error) {
 	if length <= 0 || length > limit {
 		return io.ReadAll(r)
 	}
-	buf := bytes.NewBuffer(make([]byte, 0, length+1))
-	_, err := buf.ReadFrom(r)
-	return buf.Bytes(), err
+	b := make([]byte, 0, length+1) // +1: room to see EOF without growing
+	for {
+		n, err := r.Read(b[len(b):cap(b)])
+		b = b[:len(b)+n]
+		if err == io.EOF {
+			return b, nil
+		}
+		if err != nil {
+			return b, err
+		}
+		if len(b) == cap(b) { // longer than announced
+			b = append(b, 0)[:len(b)]
+		}
+	}
 }
 
 func truncate(b []byte, n int) []byte {
@@ -493,5 +519,15 @@ func newUUID() string {
 	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails on Linux
 	b[6] = b[6]&0x0f | 0x40
 	b[8] = b[8]&0x3f | 0x80
-	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+	var out [36]byte
+	hex.Encode(out[0:8], b[0:4])
+	out[8] = '-'
+	hex.Encode(out[9:13], b[4:6])
+	out[13] = '-'
+	hex.Encode(out[14:18], b[6:8])
+	out[18] = '-'
+	hex.Encode(out[19:23], b[8:10])
+	out[23] = '-'
+	hex.Encode(out[24:36], b[10:16])
+	return string(out[:])
 }

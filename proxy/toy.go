@@ -34,7 +34,7 @@ func (p *Proxy) serveToy(ex *exchange) {
 	// instance's kv_transfer_params when it returned any. A client's own
 	// kv_transfer_params never reach it unless configured.
 	dbody := ex.raw
-	_, fromPrefill := kvParams(presp)
+	fromPrefill := hasKVParams(presp)
 	if fromPrefill || (ex.body.has("kv_transfer_params") && !p.cfg.ForwardClientKVParams) {
 		d := ex.body.clone()
 		if fromPrefill {
@@ -85,7 +85,9 @@ func (p *Proxy) relayOpened(ex *exchange, di Instance, start time.Time, resp *ht
 	// piece as it arrives. A body of known length is written through the
 	// server's buffer and flushed when the handler returns.
 	streaming := resp.ContentLength < 0
-	if streaming {
+	if streaming && !bodyBuffered(resp.Body) {
+		// Send the headers now, unless the first piece is already here to
+		// go out with them in one write.
 		ex.w.Flush()
 	}
 

@@ -154,8 +154,8 @@ func TestUpstreamIdleTimeoutBelowVLLMKeepAlive(t *testing.T) {
 	}
 	defer p.Close()
 	for in, c := range p.clients {
-		if tr := c.Transport.(*http.Transport); tr.IdleConnTimeout >= vllmKeepAlive {
-			t.Errorf("%s: idle timeout %v", in, tr.IdleConnTimeout)
+		if lp := c.(*leanPool); lp.idleTimeout <= 0 || lp.idleTimeout >= vllmKeepAlive {
+			t.Errorf("%s: idle timeout %v", in, lp.idleTimeout)
 		}
 	}
 	p2, err := New(Config{Prefill: []Instance{{"h", 1}}, Decode: []Instance{{"h", 2}}, UpstreamIdleTimeout: 1500 * time.Millisecond})
@@ -164,8 +164,8 @@ func TestUpstreamIdleTimeoutBelowVLLMKeepAlive(t *testing.T) {
 	}
 	defer p2.Close()
 	for _, c := range p2.clients {
-		if tr := c.Transport.(*http.Transport); tr.IdleConnTimeout != 1500*time.Millisecond {
-			t.Errorf("configured idle timeout not applied: %v", tr.IdleConnTimeout)
+		if lp := c.(*leanPool); lp.idleTimeout != 1500*time.Millisecond {
+			t.Errorf("configured idle timeout not applied: %v", lp.idleTimeout)
 		}
 	}
 }
