@@ -34,6 +34,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"regexp"
 	"slices"
@@ -498,12 +499,7 @@ type pushSend struct {
 // pushFinishedLocked records the step's finished requests' blocks and
 // starts the WRITEs whose registrations already arrived.
 func (w *Worker) pushFinishedLocked(m *StepMeta) {
-	ids := make([]string, 0, len(m.PushFinished))
-	for id := range m.PushFinished {
-		ids = append(ids, id)
-	}
-	sort.Strings(ids)
-	for _, id := range ids {
+	for _, id := range slices.Sorted(maps.Keys(m.PushFinished)) {
 		if _, ok := w.toProcess[id]; !ok {
 			continue
 		}
@@ -539,13 +535,8 @@ func (w *Worker) pushEarlyLocked(m *StepMeta) {
 	if len(m.PushEarly) == 0 {
 		return
 	}
-	ids := make([]string, 0, len(m.PushEarly))
-	for id := range m.PushEarly {
-		ids = append(ids, id)
-	}
-	sort.Strings(ids)
 	now := w.clock()
-	for _, id := range ids {
+	for _, id := range slices.Sorted(maps.Keys(m.PushEarly)) {
 		if _, dup := w.pushSends[id]; dup {
 			continue
 		}

@@ -166,6 +166,15 @@ def prompt_digest(token_ids: Any, n: int) -> Optional[str]:
     return "blake2b-128:" + h.hexdigest()
 
 
+def _with_digest(params: dict[str, Any], token_ids: Any, n: int) -> Optional[bytes]:
+    """params as JSON with the digest of the first n prompt tokens added,
+    or None when there is no digest (no token ids)."""
+    digest = prompt_digest(token_ids, n)
+    if digest is None:
+        return None
+    return json.dumps({**params, PROMPT_DIGEST_KEY: digest}, default=_json_default).encode()
+
+
 def _s(x: Optional[str]) -> bytes:
     return (x or "").encode()
 
@@ -581,10 +590,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if push_register:
             # The registration carries this prompt's digest: the prefill
             # WRITEs only if it holds the KV of the same tokens.
-            n = len(request.prompt_token_ids or ())
-            digest = prompt_digest(request.prompt_token_ids, n)
-            if digest is not None:
-                pj = json.dumps({**params, PROMPT_DIGEST_KEY: digest}, default=_json_default).encode()
+            pj = _with_digest(params, request.prompt_token_ids, len(request.prompt_token_ids or ())) or pj
         groups: tuple = ()
         if num_external_tokens > 0:
             groups = tuple(self.kv_cache_config.select_transfer_block_ids(blocks.get_unhashed_block_ids_all_groups()))
@@ -630,6 +636,13 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             if push_register:
                 self._push_registering.add(request.request_id)
 
+    def _transfer_ids(self, block_ids: Any) -> Any:
+        """A request's block ids per vLLM KV-cache group, reduced to the
+        transfer groups (a list already per transfer group is kept)."""
+        if len(block_ids) == len(self.kv_cache_config.kv_cache_groups):
+            return self.kv_cache_config.select_transfer_block_ids(block_ids)
+        return block_ids
+
     def _push_prompts_done(self, scheduler_output: "SchedulerOutput") -> bool:
         """Push mode, a prefill: announces the requests whose prompt this
         step completes, with all their blocks (tracked from vLLM's per-step
@@ -652,15 +665,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             if req.num_computed_tokens + scheduled_tokens.get(req_id, 0) < req.num_prompt_tokens:
                 continue
             del self._push_early[req_id]
-            groups: Any = tuple(acc)
-            if len(groups) == len(self.kv_cache_config.kv_cache_groups):
-                groups = self.kv_cache_config.select_transfer_block_ids(groups)
-            params = dict(req.kv_transfer_params or {})
-            digest = prompt_digest(req.prompt_token_ids, req.num_prompt_tokens)
-            if digest is not None:
-                params[PROMPT_DIGEST_KEY] = digest
-            pj = json.dumps(params, default=_json_default).encode()
-            ids, n, lens, ng = flatten_groups(groups)
+            params = req.kv_transfer_params or {}
+            pj = _with_digest(params, req.prompt_token_ids, req.num_prompt_tokens)
+            if pj is None:
+                pj = json.dumps(params, default=_json_default).encode()
+            ids, n, lens, ng = flatten_groups(self._transfer_ids(tuple(acc)))
             rid = _s(req_id)
             fn = "gonixl_scheduler_push_prompt_done"
             if self._call_request(fn, req, self._sched, rid, len(rid), pj, len(pj), ids, n, lens, ng):
@@ -730,12 +739,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         push_send = self._TRANSFER_MODE == "push" and normal and bool((request.kv_transfer_params or {}).get("do_remote_decode"))
         if push_send:
             # Its WRITE goes only to a decode whose prompt has this digest.
-            digest = prompt_digest(request.prompt_token_ids, request.num_computed_tokens)
-            if digest is not None:
-                pj = json.dumps({**(request.kv_transfer_params or {}), PROMPT_DIGEST_KEY: digest}, default=_json_default).encode()
-        if len(block_ids) == len(self.kv_cache_config.kv_cache_groups):
-            block_ids = self.kv_cache_config.select_transfer_block_ids(block_ids)
-        ids, n, lens, ng = flatten_groups(block_ids)
+            pj = _with_digest(request.kv_transfer_params or {}, request.prompt_token_ids, request.num_computed_tokens) or pj
+        ids, n, lens, ng = flatten_groups(self._transfer_ids(block_ids))
         rid = _s(request.request_id)
         delay = ctypes.c_int32(0)
         self._sched_dirty = True
