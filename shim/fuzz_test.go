@@ -1056,10 +1056,8 @@ func TestRemoteNumBlocksBound(t *testing.T) {
 // nil. The worker's StartLoadKV dereferenced it (panic: library poisoned)
 // until DecodeStepMeta dropped nil entries. Found by
 // tests/python/test_fuzz_scheduler.py (a request aborted before
-// allocation). Skipped until shim/scheduler.go is fixed (check the endpoint
-// before addRecvLocked, or have BuildMeta skip ids missing from the map).
+// allocation); fixed by adding the entry only with a usable endpoint.
 func TestSchedulerNoNilRecvEntry(t *testing.T) {
-	t.Skip("known bug in shim/scheduler.go RequestFinished / BuildMeta; see the comment")
 	fzQuiet()
 	s, err := NewScheduler(fzConfig(t, RoleScheduler, "kv_consumer", nil, nil), nil)
 	if err != nil {
@@ -1097,10 +1095,9 @@ func TestSchedulerNoNilRecvEntry(t *testing.T) {
 // GetNum does not check remote_request_id (missing, null or "" pass), nor,
 // for do_remote_decode params (the pull-back branch), bidirectional_kv_xfer
 // or _remote_blocks_processed, which UpdateStateAfterAlloc requires. Found
-// by tests/python/test_fuzz_scheduler.py. Skipped until shim/scheduler.go
-// makes the two agree.
+// by tests/python/test_fuzz_scheduler.py; fixed by one predicate for both
+// (TransferParams.readable, Scheduler.readbackable).
 func TestSchedulerAsyncImpliesRead(t *testing.T) {
-	t.Skip("known bug in shim/scheduler.go GetNumNewMatchedTokens vs UpdateStateAfterAlloc; see the comment")
 	fzQuiet()
 	for _, c := range []struct{ kvRole, params string }{
 		{"kv_consumer", `{"do_remote_prefill": true, "remote_block_ids": [[1,2]], "remote_engine_id": "e", "remote_request_id": "", "remote_host": "h", "remote_port": 1}`},

@@ -209,7 +209,7 @@ func TestPushBothOrders(t *testing.T) {
 			if regFirst {
 				pushDecode(t, d, p, did, "cmpl-x-0", 12, []int64{9, 10}, []int64{8})
 				// The registration arrives; the prefill has nothing yet.
-				p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+				p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.push.regs) == 1 })
 				params = pushPrefill(t, p, pid, []int64{3, 4, 5}, 12)
 			} else {
 				params = pushPrefill(t, p, pid, []int64{3, 4, 5}, 12)
@@ -236,8 +236,8 @@ func TestPushBothOrders(t *testing.T) {
 				}
 			}
 			p.waitFinished(t, "prefill frees", func(f Finished) bool { return contains(append(f.Sending, pf.Sending...), pid) })
-			if len(p.work.pushSends) != 0 || len(p.work.pushRegs) != 0 {
-				t.Fatalf("prefill kept push state: %d sends, %d registrations", len(p.work.pushSends), len(p.work.pushRegs))
+			if len(p.work.push.sends) != 0 || len(p.work.push.regs) != 0 {
+				t.Fatalf("prefill kept push state: %d sends, %d registrations", len(p.work.push.sends), len(p.work.push.regs))
 			}
 		})
 	}
@@ -254,7 +254,7 @@ func TestPushRegistrationTimeout(t *testing.T) {
 	clock.Advance(3) // the prefill's lease ends
 	p.waitFinished(t, "lease expiry", func(f Finished) bool { return contains(f.Sending, "cmpl-y-0-aaaaaaaa") })
 	pushDecode(t, d, p, "cmpl-y-0-bbbbbbbb", "cmpl-y-0", 4, []int64{9}, nil)
-	p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+	p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.push.regs) == 1 })
 	if f := d.finished(t); len(f.Recving)+len(f.Failed) != 0 {
 		t.Fatalf("decode finished early: %+v", f)
 	}
@@ -268,7 +268,7 @@ func TestPushRegistrationTimeout(t *testing.T) {
 		p.finished(t)
 		return contains(f.Recving, "cmpl-y-0-bbbbbbbb")
 	})
-	if len(p.work.pushRegs) != 0 {
+	if len(p.work.push.regs) != 0 {
 		t.Fatal("the prefill kept the cancelled registration")
 	}
 	_ = f
@@ -486,7 +486,7 @@ func TestPushAbortedDecodeCancelsAtOnce(t *testing.T) {
 	clock := NewFakeClock(100)
 	_, p, d := pushPair(t, clock, map[string]any{"push_registration_timeout": 300})
 	pushDecode(t, d, p, "cmpl-ab-0-bbbbbbbb", "cmpl-ab-0", 4, []int64{9}, nil)
-	p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+	p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.push.regs) == 1 })
 	dp := mustParams(t, `{"do_remote_prefill": false, "remote_engine_id": "engine-p"}`)
 	if _, _, err := d.sched.RequestFinished("cmpl-ab-0-bbbbbbbb", dp, false, 0, BlockIDs{{9}}); err != nil {
 		t.Fatal(err)
@@ -496,7 +496,7 @@ func TestPushAbortedDecodeCancelsAtOnce(t *testing.T) {
 		p.finished(t)
 		return contains(f.Failed, "cmpl-ab-0-bbbbbbbb") && contains(f.Recving, "cmpl-ab-0-bbbbbbbb")
 	})
-	if len(p.work.pushRegs) != 0 {
+	if len(p.work.push.regs) != 0 {
 		t.Fatal("the prefill kept the aborted request's registration")
 	}
 }
@@ -528,7 +528,7 @@ func TestPushEarlyWriteAfterTheForward(t *testing.T) {
 				pblocks, dblocks := []int64{1 + r, 2 + r, 3 + r}, []int64{8 + r, 9 + r, 10 + r}
 				if tc.regFirst {
 					pushDecode(t, d, p, did, client, 12, dblocks, nil)
-					p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+					p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.push.regs) == 1 })
 				}
 				in := mustParams(t, `{"do_remote_decode": true}`)
 				if _, err := p.sched.UpdateStateAfterAlloc(pid, in, nil, []int64{0}, 0); err != nil {
@@ -538,7 +538,7 @@ func TestPushEarlyWriteAfterTheForward(t *testing.T) {
 					t.Fatal(err)
 				}
 				p.step(t) // the step that completes the prompt
-				if ps := p.work.pushSends[pid]; ps == nil || len(ps.xfers) != 0 {
+				if ps := p.work.push.sends[pid]; ps == nil || len(ps.xfers) != 0 {
 					t.Fatalf("WRITE posted at start_load_kv, before the forward: %+v", ps)
 				}
 				for l := 0; l < tLayers; l++ { // the forward fills the blocks
@@ -582,14 +582,14 @@ func TestPushEarlyWriteAfterTheForward(t *testing.T) {
 					if contains(sent, pid) {
 						t.Fatal("finished_sending reported before request_finished: vLLM would free a running request's blocks")
 					}
-					if _, ok := p.work.pushEarlyDone[pid]; !ok {
+					if _, ok := p.work.push.earlyDone[pid]; !ok {
 						t.Fatal("the finished early WRITE is not remembered for its request_finished")
 					}
 					finish()
 				}
 				p.waitFinished(t, "prefill frees", func(f Finished) bool { return contains(append(f.Sending, sent...), pid) })
-				if len(p.work.pushSends)+len(p.work.pushRegs)+len(p.work.pushEarlyDone) != 0 {
-					t.Fatalf("prefill kept push state: %d sends, %d registrations, %d early", len(p.work.pushSends), len(p.work.pushRegs), len(p.work.pushEarlyDone))
+				if len(p.work.push.sends)+len(p.work.push.regs)+len(p.work.push.earlyDone) != 0 {
+					t.Fatalf("prefill kept push state: %d sends, %d registrations, %d early", len(p.work.push.sends), len(p.work.push.regs), len(p.work.push.earlyDone))
 				}
 			}
 		})

@@ -97,11 +97,18 @@ func (w *Worker) holdForReadersLocked(m *StepMeta) {
 // sweepLeasesLocked frees every request whose lease has passed.
 func (w *Worker) sweepLeasesLocked() {
 	for _, id := range w.held.Expired() {
-		if ps := w.pushSends[id]; ps != nil && len(ps.xfers) > 0 {
-			// Our own WRITE still reads these blocks: they are freed when
-			// it ends (bounded by transfer_timeout).
-			w.held.Hold(id, w.clock()+1)
-			continue
+		if ps := w.push.sends[id]; ps != nil {
+			if len(ps.xfers) > 0 {
+				// Our own WRITE still reads these blocks: they are freed
+				// when it ends (bounded by transfer_timeout) or, failed,
+				// when its handles are released.
+				w.held.Hold(id, w.clock()+1)
+				continue
+			}
+			// Not posted yet (no registration, or a handshake with the
+			// decode pending): the blocks go back to vLLM now, so they
+			// are never written.
+			w.abandonPushLocked(ps)
 		}
 		n := w.consumers[id]
 		delete(w.consumers, id)

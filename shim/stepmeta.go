@@ -86,6 +86,10 @@ type StepMeta struct {
 	// (Scheduler.PushPromptDone); their request_finished follows as
 	// PushFinished in a later step.
 	PushEarly map[string]*PushFinished `msgpack:"push_early,omitempty"`
+	// PushPreempted (push mode, a prefill): announced requests vLLM
+	// preempted before their request_finished; their WRITE is dropped if
+	// not posted, waited for if posted, before this step's forward.
+	PushPreempted []string `msgpack:"push_preempted,omitempty"`
 }
 
 // stepMetaVersion guards against a scheduler and worker from different
