@@ -39,9 +39,10 @@ type WorkerLive struct {
 	// in flight) and registrations waiting for their request; a decode's
 	// requests whose blocks are held after a failure until no WRITE can
 	// land (push_recv.go).
-	PushSends         int `json:"push_sends"`
-	PushRegistrations int `json:"push_registrations"`
-	PushHeldRequests  int `json:"push_held_requests"`
+	PushSends         int   `json:"push_sends"`
+	PushRegistrations int   `json:"push_registrations"`
+	PushHeldRequests  int   `json:"push_held_requests"`
+	PushHoldsTotal    int64 `json:"push_holds_total"` // requests ever held so (a counter)
 }
 
 // Live returns the worker's live counts.
@@ -73,6 +74,7 @@ func (w *Worker) Live() WorkerLive {
 	}
 	l.PushSends = len(w.push.sends) + len(w.push.earlyDone)
 	l.PushRegistrations = len(w.push.regs)
+	l.PushHoldsTotal = w.pushHolds.Load()
 	held := make(map[string]struct{}, w.held.Len()+len(w.toProcess))
 	for _, id := range w.held.IDs() {
 		held[id] = struct{}{}
@@ -143,6 +145,9 @@ func (m *promMetrics) registerLive(engineID string, live func() WorkerLive) {
 	g("gonixl_held_leases", "Requests whose blocks this engine holds for a remote reader (until notified or the lease ends).", func(l WorkerLive) float64 { return float64(l.HeldLeases) })
 	g("gonixl_pending_handshakes", "Side-channel handshakes started and not finished.", func(l WorkerLive) float64 { return float64(l.PendingHandshakes) })
 	g("gonixl_remote_engines", "Remote engines with a loaded agent and prepared descriptors.", func(l WorkerLive) float64 { return float64(l.RemoteEngines) })
+	m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "gonixl_push_holds_total",
+		Help: "Push mode, a decode: failed requests whose blocks were held after the failure until no WRITE from the prefill could land in them.", ConstLabels: labels},
+		func() float64 { return float64(live().PushHoldsTotal) }))
 	m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "gonixl_handshakes_refused_total",
 		Help: "New handshakes refused by the count or rate cap, or because the same engine and address failed moments ago.", ConstLabels: labels},
 		func() float64 { return float64(live().HandshakesRefused) }))

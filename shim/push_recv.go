@@ -45,9 +45,12 @@ const (
 	// pushRetryEvery: how often a holding wait asks a gonixl prefill again
 	// to drop its registration (a lost CANCEL, a prefill that was busy).
 	pushRetryEvery = 5.0
-	// pushProbeEvery: how often a holding wait handshakes with the prefill
-	// to learn whether the agents it registered with still exist.
+	// pushProbeEvery: how soon a holding wait handshakes with the prefill
+	// to learn whether the agents it registered with still exist; the
+	// interval doubles after each probe that finds them alive, up to
+	// pushProbeMax (a probe prepares the engine's descriptors again).
 	pushProbeEvery = 30.0
+	pushProbeMax   = 600.0
 )
 
 type pushWaitState int
@@ -75,6 +78,7 @@ type pushWait struct {
 	since   float64 // holding since
 	retry   float64 // holding: next CANCEL
 	probe   float64 // holding: next probe handshake
+	every   float64 // holding: the probe interval
 	why     string  // holding: why, for the log
 	warned  bool    // holding on a stock prefill was logged
 	aborted bool    // vLLM finished the request (an abort) while it waited
@@ -213,7 +217,8 @@ func (w *Worker) holdPushLocked(st *recvState, why string) {
 	}
 	now := w.clock()
 	pw.state, pw.since, pw.why = pushHolding, now, why
-	pw.retry, pw.probe = now, now+pushProbeEvery
+	pw.retry, pw.probe, pw.every = now, now+pushProbeEvery, pushProbeEvery
+	w.pushHolds.Add(1)
 	w.sendPushCancelLocked(st)
 }
 
@@ -287,7 +292,8 @@ func (w *Worker) pollPushWaitsLocked() {
 				w.sendPushCancelLocked(st)
 			}
 			if now >= pw.probe {
-				pw.probe = now + pushProbeEvery
+				pw.probe = now + pw.every
+				pw.every = min(2*pw.every, pushProbeMax)
 				probe[st.meta.Remote.EngineID] = st
 			}
 		}
