@@ -135,7 +135,7 @@ func (m *StepMeta) sizeHint() int {
 	for id := range m.ReqsToSend {
 		n += 10 + len(id)
 	}
-	for _, ids := range [][]string{m.ReqsInBatch, m.ReqsNotProcessed, m.PushAborted} {
+	for _, ids := range [][]string{m.ReqsInBatch, m.ReqsNotProcessed, m.PushAborted, m.PushPreempted} {
 		for _, id := range ids {
 			n += 2 + len(id)
 		}
