@@ -376,3 +376,41 @@ func TestPushFailedFromOneRankWaitsForTheOther(t *testing.T) {
 	})
 	_ = fmt.Sprint
 }
+
+// A decode request vLLM aborts before its registration went out (the
+// handshake with the prefill still running) is never registered, and its
+// blocks go back to vLLM at once: no WRITE can land in them. (Held until
+// push_registration_timeout, such requests filled a small decode's KV
+// pool under abandoned clients.)
+func TestPushAbortedBeforeRegistration(t *testing.T) {
+	gate := make(chan struct{})
+	_, p, d := pushPair(t, nil, map[string]any{"push_registration_timeout": 300})
+	fakeAgent(t, d).SetScript(nixltest.Script{PrepHook: func(remote string, _ int) {
+		if remote != "" {
+			<-gate // the handshake's descriptor preparation waits
+		}
+	}})
+	did := "cmpl-h-0-bbbbbbbb"
+	pushDecode(t, d, p, did, "cmpl-h-0", 8, []int64{9, 10}, nil)
+	if d.work.Live().PendingHandshakes != 1 {
+		t.Fatalf("decode live %+v: want the handshake pending", d.work.Live())
+	}
+	dp := mustParams(t, `{"do_remote_prefill": false, "remote_engine_id": "engine-p"}`)
+	if _, _, err := d.sched.RequestFinished(did, dp, false, 0, BlockIDs{{9, 10}}); err != nil {
+		t.Fatal(err)
+	}
+	d.step(t)
+	f := d.finished(t)
+	if !contains(f.Recving, did) || !contains(f.Failed, did) {
+		close(gate)
+		t.Fatalf("an aborted, unregistered request kept its blocks: %+v", f)
+	}
+	close(gate)
+	d.waitFinished(t, "handshake done", func(Finished) bool { return d.work.Live().PendingHandshakes == 0 })
+	for i := 0; i < 5; i++ {
+		p.finished(t)
+	}
+	if n := len(p.work.push.regs); n != 0 {
+		t.Fatalf("the aborted request was registered after all (%d registrations)", n)
+	}
+}

@@ -314,10 +314,22 @@ func (w *Worker) pollPushWaitsLocked() {
 
 // pushAbortedLocked ends the waits of requests vLLM finished (aborted)
 // before their WRITE came: failed at once, held until no WRITE can land.
+// One not registered yet (its handshake, or a busy engine, held the
+// registration back) is never registered: nothing can land in its blocks,
+// which go back to vLLM now instead of after push_registration_timeout.
 func (w *Worker) pushAbortedLocked(ids []string) {
 	for _, id := range ids {
 		st, ok := w.recv[id]
-		if !ok || st.push == nil || st.push.state != pushWaiting {
+		if !ok || !st.meta.Push {
+			continue
+		}
+		if st.push == nil {
+			if st.waiting {
+				st.waiting, st.failed = false, true // reported by pollTransfersLocked
+			}
+			continue
+		}
+		if st.push.state != pushWaiting {
 			continue
 		}
 		st.push.aborted = true
