@@ -3,6 +3,7 @@ package shim
 import (
 	"bytes"
 	"fmt"
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"testing"
 	"time"
 
@@ -242,7 +243,7 @@ func TestPushRegistrationCopyConsumed(t *testing.T) {
 	// The copy.
 	reg := d.work.pushRegOf(&recvState{id: did, meta: &RecvReq{LocalBlockIDs: BlockIDs{{9, 10}}, TPSize: 1,
 		Remote: RemoteMeta{EngineID: "engine-p", Host: "127.0.0.1", Port: p.port}}})
-	msg, err := encodePushReg(reg)
+	msg, err := kvwire.EncodePushReg(reg)
 	if err != nil {
 		t.Fatal(err)
 	}

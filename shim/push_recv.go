@@ -32,9 +32,8 @@ package shim
 import (
 	"errors"
 	"fmt"
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"sort"
-	"strconv"
-	"strings"
 
 	"go.uber.org/zap"
 
@@ -103,7 +102,7 @@ func (w *Worker) registerPushLocked(st *recvState, re *remoteEngine) {
 		w.failLocked(st, "transfer_setup_failed", fmt.Sprintf("push from engine %s", re.id), err)
 		return
 	}
-	msg, err := encodePushReg(w.pushRegOf(st))
+	msg, err := kvwire.EncodePushReg(w.pushRegOf(st))
 	if err != nil {
 		w.failLocked(st, "transfer_setup_failed", "encode the push registration", err)
 		return
@@ -134,9 +133,9 @@ func (w *Worker) registerPushLocked(st *recvState, re *remoteEngine) {
 }
 
 // pushRegOf is the registration of decode request st.
-func (w *Worker) pushRegOf(st *recvState) *pushReg {
+func (w *Worker) pushRegOf(st *recvState) *kvwire.PushReg {
 	rm := &st.meta.Remote
-	return &pushReg{
+	return &kvwire.PushReg{
 		RequestID: st.id, DecodeEngineID: w.cfg.EngineID, DecodeHost: w.cfg.SideChannelHost,
 		DecodePort: w.cfg.SideChannelPort + w.cfg.DPIndex, DecodeTPSize: w.cfg.TPSize, LocalBlockIDs: st.meta.LocalBlockIDs,
 		RemoteEngineID: rm.EngineID, RemoteHost: rm.Host, RemotePort: rm.Port, RemoteTPSize: st.meta.TPSize, RemotePPSize: max(st.meta.PPSize, 1),
@@ -147,25 +146,13 @@ func (w *Worker) pushRegOf(st *recvState) *pushReg {
 // pushNotifLocked takes a decode-side push notification (a WRITE's
 // completion or a gonixl prefill's last word); false if it is not one.
 func (w *Worker) pushNotifLocked(from, msg string) bool {
-	var id, word string
-	switch {
-	case strings.HasPrefix(msg, pushFailedPrefix):
-		id, word = strings.TrimPrefix(msg, pushFailedPrefix), pushFailedPrefix
-	case strings.HasPrefix(msg, pushCancelledPrefix):
-		id, word = strings.TrimPrefix(msg, pushCancelledPrefix), pushCancelledPrefix
-	default:
-		i := strings.LastIndexByte(msg, ':')
-		if i <= 0 {
-			return false
-		}
-		if _, err := strconv.Atoi(msg[i+1:]); err != nil {
-			return false
-		}
-		id = msg[:i]
+	id, word := kvwire.ParsePushWord(msg)
+	if word == kvwire.PushNotAWord {
+		return false
 	}
 	st, ok := w.recv[id]
 	if !ok || st.push == nil || st.push.state == pushDone {
-		if word != "" {
+		if word != kvwire.PushCompleted {
 			// A last word for a wait that ended (another rank's, or a
 			// repeated CANCEL's answer): nothing to do.
 			w.log.Debug("push: a prefill's word for a request this decode no longer waits for", zap.String("msg", msg), zap.String("from", from))
@@ -178,13 +165,13 @@ func (w *Worker) pushNotifLocked(from, msg string) bool {
 		pw.ranks[from] = true
 	}
 	switch word {
-	case pushFailedPrefix:
+	case kvwire.PushFailed:
 		if !st.failed {
 			w.stats.RecordFailedTransfer()
 			w.failLocked(st, "transfer_failed", fmt.Sprintf("the prefill's WRITE failed (engine %s, agent %s)", st.meta.Remote.EngineID, from), nil)
 		}
 		w.holdPushLocked(st, "the prefill's WRITE failed")
-	case pushCancelledPrefix:
+	case kvwire.PushCancelled:
 		if pw.state == pushWaiting {
 			// Not asked for: a prefill that dropped the registration on
 			// its own (its request was preempted and its WRITE dropped,
@@ -232,11 +219,11 @@ func (w *Worker) sendPushCancelLocked(st *recvState) {
 	if !pw.gonixl {
 		return
 	}
-	msg, err := encodePushReg(w.pushRegOf(st))
+	msg, err := kvwire.EncodePushReg(w.pushRegOf(st))
 	if err != nil {
 		return
 	}
-	msg = append([]byte(pushCancelPrefix), msg[len(pushRegPrefix):]...)
+	msg = append([]byte(kvwire.PushCancelPrefix), msg[len(kvwire.PushRegPrefix):]...)
 	for _, a := range sortedKeys(pw.ranks) {
 		if pw.ranks[a] {
 			continue

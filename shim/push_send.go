@@ -41,6 +41,7 @@ package shim
 import (
 	"errors"
 	"fmt"
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"slices"
 	"strconv"
 	"time"
@@ -83,6 +84,10 @@ type pushSend struct {
 }
 
 // pushSender is a prefill worker's push state.
+// maxPushRegs bounds the registrations a prefill keeps while their
+// requests have not finished (a decode's word, so bounded).
+const maxPushRegs = 1 << 14
+
 type pushSender struct {
 	sends    map[string]*pushSend // by this engine's request id
 	order    []string             // arrival order of sends
@@ -262,9 +267,9 @@ func (w *Worker) takeRegLocked(id string) *pushReg {
 		w.dropRegLocked(id)
 		return r
 	}
-	base := baseRequestID(id)
+	base := kvwire.BaseRequestID(id)
 	for _, rid := range p.regOrder {
-		if baseRequestID(rid) == base {
+		if kvwire.BaseRequestID(rid) == base {
 			r := p.regs[rid]
 			w.dropRegLocked(rid)
 			return r
@@ -302,9 +307,9 @@ func (w *Worker) takeSendLocked(id string) *pushSend {
 	if ps, ok := p.sends[id]; ok && ps.state == sendUnmatched {
 		return ps
 	}
-	base := baseRequestID(id)
+	base := kvwire.BaseRequestID(id)
 	for _, pid := range p.order {
-		if ps := p.sends[pid]; ps != nil && ps.state == sendUnmatched && baseRequestID(pid) == base {
+		if ps := p.sends[pid]; ps != nil && ps.state == sendUnmatched && kvwire.BaseRequestID(pid) == base {
 			return ps
 		}
 	}
@@ -489,7 +494,7 @@ func (w *Worker) pushFailedLocked(ps *pushSend) {
 		return
 	}
 	if re, ok := w.remotes[ps.reg.DecodeEngineID]; ok && re.gonixl {
-		w.sendNotifsLocked(re, []byte(pushFailedPrefix+ps.reg.RequestID))
+		w.sendNotifsLocked(re, []byte(kvwire.PushFailedPrefix+ps.reg.RequestID))
 	}
 	w.pushSentLocked(ps)
 }
@@ -520,7 +525,7 @@ func (w *Worker) abandonPushLocked(ps *pushSend) {
 		w.log.Warn("push: the request's lease ended before its WRITE could be posted; not writing", zap.String("request_id", ps.id),
 			zap.String("decode_request_id", ps.reg.RequestID), zap.String("state", ps.state.String()))
 		if re, ok := w.remotes[ps.reg.DecodeEngineID]; ok && re.gonixl {
-			w.sendNotifsLocked(re, []byte(pushFailedPrefix+ps.reg.RequestID))
+			w.sendNotifsLocked(re, []byte(kvwire.PushFailedPrefix+ps.reg.RequestID))
 		}
 	}
 	ps.state = sendDone
@@ -637,7 +642,7 @@ func (w *Worker) pushCancelLocked(from string, payload []byte) {
 		}
 	}
 	if re, ok := w.remotes[reg.DecodeEngineID]; ok && re.host == reg.DecodeHost && re.port == reg.DecodePort {
-		w.sendNotifsLocked(re, []byte(pushCancelledPrefix+id))
+		w.sendNotifsLocked(re, []byte(kvwire.PushCancelledPrefix+id))
 		return
 	}
 	key := hsKey(reg.DecodeEngineID, reg.DecodeHost, reg.DecodePort)
@@ -723,7 +728,7 @@ func (w *Worker) startPushHandshakeLocked(reg *pushReg, id string) {
 func (w *Worker) pushHandshakeDoneLocked(hs *handshakeState, engineID string, re *remoteEngine, err error) {
 	if err == nil {
 		for _, id := range hs.cancelReplies {
-			w.sendNotifsLocked(re, []byte(pushCancelledPrefix+id))
+			w.sendNotifsLocked(re, []byte(kvwire.PushCancelledPrefix+id))
 		}
 	}
 	for _, id := range hs.pushWaiting {

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"math"
 	"slices"
 	"sort"
@@ -125,7 +126,7 @@ func (w *Worker) readLocked(st *recvState) {
 	}
 	// vLLM's "<req>:<consumers>": how many decode ranks notify each
 	// prefill rank (tpmap.go).
-	notif := doneNotif(rm.RequestID, re.plan.consumers)
+	notif := kvwire.DoneNotif(rm.RequestID, re.plan.consumers)
 	local, remote, err := w.pairBlocks(st.meta, re)
 	if err != nil {
 		w.stats.RecordFailedTransfer()

@@ -3,6 +3,7 @@ package shim
 import (
 	"encoding/json"
 	"fmt"
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"os"
 	"sort"
 	"sync"
@@ -133,9 +134,9 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 	if p.DoRemotePrefill && s.push() {
 		// Push: the prefill WRITEs into blocks allocated here, whether or
 		// not it has finished yet; no remote block ids are needed.
-		if !p.UsableEndpoint() || !p.hasTPSize || p.RemoteRequestID == "" {
+		if !p.UsableEndpoint() || !p.HasTPSize() || p.RemoteRequestID == "" {
 			s.log.Warn("push: do_remote_prefill without remote_engine_id, remote_request_id, remote_host, remote_port and tp_size: computing the prompt locally",
-				zap.Bool("endpoint", p.UsableEndpoint()), zap.Bool("tp_size", p.hasTPSize))
+				zap.Bool("endpoint", p.UsableEndpoint()), zap.Bool("tp_size", p.HasTPSize()))
 			return 0, false
 		}
 		if count := numPromptTokens - numComputed; count > 0 {
@@ -144,7 +145,7 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 		return 0, false
 	}
 	if p.DoRemotePrefill {
-		if !p.readable() {
+		if !readable(p) {
 			// Nothing can be pulled (a broken proxy, or a prefill that kept
 			// no blocks): compute locally rather than wait for KV that no
 			// one will send.
@@ -212,14 +213,14 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 // params, and UpdateStateAfterAlloc schedules the READ for exactly those:
 // a request told to wait whose READ is never scheduled would wait in
 // WAITING_FOR_REMOTE_KVS for ever, holding its blocks.
-func (p *TransferParams) readable() bool {
+func readable(p *TransferParams) bool {
 	return p.HasRemoteBlocks && p.UsableEndpoint() && p.RemoteRequestID != ""
 }
 
 // readbackable reports whether p, a decode's params given to this
 // prefill, can be read back (bidirectional_kv_xfer): see readable.
 func (s *Scheduler) readbackable(p *TransferParams) bool {
-	return p.DoRemoteDecode && s.cfg.BidirectionalKVXfer && !p.BlocksProcessed && p.readable()
+	return p.DoRemoteDecode && s.cfg.BidirectionalKVXfer && !p.BlocksProcessed && readable(p)
 }
 
 // push reports whether this engine runs vLLM's push protocol.
@@ -261,7 +262,7 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 	if p.DoRemotePrefill && s.push() {
 		// Push: register the newly allocated blocks with the prefill
 		// (the worker sends PUSH_REG once it has handshaken).
-		if numExternal > 0 && p.UsableEndpoint() && p.hasTPSize && p.RemoteRequestID != "" {
+		if numExternal > 0 && p.UsableEndpoint() && p.HasTPSize() && p.RemoteRequestID != "" {
 			s.addRecvLocked(reqID, &RecvReq{
 				LocalBlockIDs:    clipToWindow(localBlocks, s.cfg.TransferGroups, s.cfg.HMARequired),
 				LocalNumComputed: localNumComputed,
@@ -278,7 +279,7 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 		return true, nil
 	}
 	if p.HasRemoteBlocks {
-		if !p.readable() {
+		if !readable(p) {
 			s.log.Warn("invalid kv_transfer_params: this request will not use KV transfer",
 				zap.String("req_id", reqID), zap.String("reason", "remote_engine_id, remote_request_id, remote_host and remote_port (1-65535) are required"))
 		} else {
@@ -461,7 +462,7 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 		blockIDs = BlockIDs{}
 	}
 	blockIDs = clipToWindow(blockIDs, s.cfg.TransferGroups, s.cfg.HMARequired)
-	out := outParams{
+	out := kvwire.OutParams{
 		DoRemotePrefill: isP,
 		DoRemoteDecode:  isD,
 		RemoteBlockIDs:  blockIDs,
@@ -498,27 +499,6 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 		}
 	}
 	return delay, b, nil
-}
-
-// outParams is the kv_transfer_params dict request_finished returns, with
-// vLLM's exact keys.
-type outParams struct {
-	DoRemotePrefill bool     `json:"do_remote_prefill"`
-	DoRemoteDecode  bool     `json:"do_remote_decode"`
-	RemoteBlockIDs  BlockIDs `json:"remote_block_ids"`
-	RemoteEngineID  string   `json:"remote_engine_id"`
-	RemoteRequestID string   `json:"remote_request_id"`
-	RemoteHost      string   `json:"remote_host"`
-	RemotePort      int      `json:"remote_port"`
-	TPSize          int      `json:"tp_size"`
-	DCPSize         int      `json:"dcp_size"`
-	PPSize          int      `json:"pp_size"`
-	RemoteNumTokens int64    `json:"remote_num_tokens"`
-	RemoteExpiry    *float64 `json:"remote_blocks_expiry_time"`
-	TransferMode    string   `json:"transfer_mode"`
-	// ExpiryUnix (gonixl's addition, a decode's params only): the Unix time
-	// at which the decode frees the blocks (decoder_kv_blocks_ttl).
-	ExpiryUnix *float64 `json:"gonixl_expiry_unix,omitempty"`
 }
 
 // UpdateConnectorOutput stops heartbeats for requests whose KV arrived.

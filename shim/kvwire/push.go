@@ -1,9 +1,10 @@
 // Push mode (vLLM's NixlPushConnector): the decode allocates its blocks
 // first and registers them with the prefill; the prefill WRITEs its KV into
 // them and the WRITE's notification tells the decode the KV has landed.
-// This file is push mode's wire format; push_send.go is the prefill's side,
-// push_recv.go the decode's, push_sched.go the scheduler's, and
-// docs/ARCHITECTURE.md ("Block ownership") says who owns a block when.
+// This file is push mode's wire format; shim/push_send.go is the
+// prefill's side, shim/push_recv.go the decode's, shim/push_sched.go the
+// scheduler's, and docs/ARCHITECTURE.md ("Block ownership") says who owns a
+// block when.
 //
 // As vLLM 0.32 speaks it (read from its push_scheduler.py and
 // push_worker.py):
@@ -42,31 +43,32 @@
 // pushPairingError); other pairings are refused with a clear error on both
 // sides.
 
-package shim
+package kvwire
 
 import (
 	"bytes"
 	"fmt"
 	"math"
 	"regexp"
+	"strconv"
+	"strings"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
 
+// The notification prefixes of push mode.
 const (
-	pushRegPrefix       = "PUSH_REG:"
-	pushFailedPrefix    = "GONIXL_PUSH_FAILED:"
-	pushCancelPrefix    = "GONIXL_PUSH_CANCEL:"
-	pushCancelledPrefix = "GONIXL_PUSH_CANCELLED:"
-	// maxPushRegs bounds the registrations a prefill keeps while their
-	// requests have not finished (a decode's word, so bounded).
-	maxPushRegs = 1 << 14
-	// maxPushRegBytes bounds one registration notification.
-	maxPushRegBytes = 8 << 20
+	PushRegPrefix       = "PUSH_REG:"              // vLLM's registration
+	PushFailedPrefix    = "GONIXL_PUSH_FAILED:"    // gonixl: a prefill rank's WRITE failed and is released
+	PushCancelPrefix    = "GONIXL_PUSH_CANCEL:"    // gonixl: a decode gave up; the registration follows
+	PushCancelledPrefix = "GONIXL_PUSH_CANCELLED:" // gonixl: the prefill rank will not write
 )
 
-// pushReg is a decode's registration of its blocks for one request.
-type pushReg struct {
+// MaxPushRegBytes bounds one registration notification.
+const MaxPushRegBytes = 8 << 20
+
+// PushReg is a decode's registration of its blocks for one request.
+type PushReg struct {
 	RequestID      string
 	DecodeEngineID string
 	DecodeHost     string
@@ -81,14 +83,13 @@ type pushReg struct {
 	// PromptDigest (gonixl's key gonixl_prompt_digest, "" from a stock
 	// decode): the digest of the decode's prompt.
 	PromptDigest string
-	received     float64 // prefill's clock
 }
 
-// encodePushReg writes the registration notification with vLLM's keys, in
+// EncodePushReg writes the registration notification with vLLM's keys, in
 // its order, integers in their smallest msgpack form (msgspec's encoding).
-func encodePushReg(r *pushReg) ([]byte, error) {
+func EncodePushReg(r *PushReg) ([]byte, error) {
 	var buf bytes.Buffer
-	buf.WriteString(pushRegPrefix)
+	buf.WriteString(PushRegPrefix)
 	enc := msgpack.NewEncoder(&buf)
 	enc.UseCompactInts(true)
 	str := func(k, v string) error {
@@ -142,7 +143,7 @@ func encodePushReg(r *pushReg) ([]byte, error) {
 			if r.PromptDigest == "" {
 				return nil
 			}
-			return str("gonixl_prompt_digest", r.PromptDigest)
+			return str(KeyPromptDigest, r.PromptDigest)
 		},
 	}
 	for _, f := range steps {
@@ -153,15 +154,15 @@ func encodePushReg(r *pushReg) ([]byte, error) {
 	return buf.Bytes(), nil
 }
 
-// decodePushReg parses a registration (without its prefix). It reads the
+// DecodePushReg parses a registration (without its prefix). It reads the
 // keys vLLM's prefill reads; anything malformed is an error naming the key.
 // local_block_ids may also be one flat list (a single group), as vLLM
 // accepts.
-func decodePushReg(b []byte) (*pushReg, error) {
-	if len(b) > maxPushRegBytes {
-		return nil, fmt.Errorf("registration of %d bytes (limit %d)", len(b), maxPushRegBytes)
+func DecodePushReg(b []byte) (*PushReg, error) {
+	if len(b) > MaxPushRegBytes {
+		return nil, fmt.Errorf("registration of %d bytes (limit %d)", len(b), MaxPushRegBytes)
 	}
-	if err := checkMsgpack(b, 8); err != nil {
+	if err := CheckMsgpack(b, 8); err != nil {
 		return nil, err
 	}
 	var m map[string]any
@@ -170,7 +171,7 @@ func decodePushReg(b []byte) (*pushReg, error) {
 	if err := dec.Decode(&m); err != nil {
 		return nil, fmt.Errorf("not a msgpack map: %w", err)
 	}
-	r := &pushReg{}
+	r := &PushReg{}
 	var err error
 	str := func(k string) string {
 		if err != nil {
@@ -200,7 +201,7 @@ func decodePushReg(b []byte) (*pushReg, error) {
 	if err != nil {
 		return nil, err
 	}
-	if d, ok := m["gonixl_prompt_digest"]; ok {
+	if d, ok := m[KeyPromptDigest]; ok {
 		if r.PromptDigest, ok = d.(string); !ok || len(r.PromptDigest) > 256 {
 			return nil, fmt.Errorf("gonixl_prompt_digest: want a short string, got %T", d)
 		}
@@ -233,7 +234,7 @@ func decodePushReg(b []byte) (*pushReg, error) {
 }
 
 // asInt64 reads an integer of a loosely decoded msgpack value (int64 or
-// uint64: decodePushReg's decoder gives no other integer types).
+// uint64: DecodePushReg's decoder gives no other integer types).
 func asInt64(v any) (int64, bool) {
 	switch t := v.(type) {
 	case int64:
@@ -250,5 +251,35 @@ func asInt64(v any) (int64, bool) {
 // vllmSuffix is the "-<8 hex>" vLLM appends to a client's request id.
 var vllmSuffix = regexp.MustCompile(`(?i)-[0-9a-f]{8}$`)
 
-// baseRequestID is vLLM's get_base_request_id: the id without that suffix.
-func baseRequestID(id string) string { return vllmSuffix.ReplaceAllString(id, "") }
+// BaseRequestID is vLLM's get_base_request_id: the id without that suffix.
+func BaseRequestID(id string) string { return vllmSuffix.ReplaceAllString(id, "") }
+
+// PushWord is a gonixl prefill rank's last word on a decode request.
+type PushWord int
+
+// The words, and the completion notification of a WRITE.
+const (
+	PushNotAWord  PushWord = iota // not a push notification
+	PushCompleted                 // "<decode request id>:<prefill tp_size>": a WRITE landed
+	PushFailed                    // PushFailedPrefix
+	PushCancelled                 // PushCancelledPrefix
+)
+
+// ParsePushWord reads a notification a decode gets in push mode: the
+// request id and which word it is.
+func ParsePushWord(msg string) (id string, w PushWord) {
+	switch {
+	case strings.HasPrefix(msg, PushFailedPrefix):
+		return msg[len(PushFailedPrefix):], PushFailed
+	case strings.HasPrefix(msg, PushCancelledPrefix):
+		return msg[len(PushCancelledPrefix):], PushCancelled
+	}
+	i := strings.LastIndexByte(msg, ':')
+	if i <= 0 {
+		return "", PushNotAWord
+	}
+	if _, err := strconv.Atoi(msg[i+1:]); err != nil {
+		return "", PushNotAWord
+	}
+	return msg[:i], PushCompleted
+}
