@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, cast
 
 import torch
@@ -64,6 +65,12 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _T = TypeVar("_T")
+
+#: How long a push decode keeps vLLM stepping after it finished a request
+#: whose blocks its worker still holds (push_recv.go): a live gonixl
+#: prefill answers a cancel within a step, and the worker asks again every
+#: 5 s and probes the prefill at 30 s.
+_PUSH_HOLD_STEPPING = 60.0
 
 # Linux x86_64: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 _SYS_ARCH_PRCTL = 158
@@ -384,9 +391,17 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._warned_no_digest = False
         # Push mode, scheduler side (has_pending_push_work): prefill
         # requests whose blocks wait for their WRITE, decode registrations
-        # not yet handed to the worker.
+        # not yet handed to the worker, decode requests registered and not
+        # received, and those vLLM finished (an abort, a failed wait) before
+        # their finished_recving: the worker holds their blocks until no
+        # WRITE can land (the prefill's answer comes in a later step), and
+        # vLLM steps an engine without requests no more, so it is kept
+        # stepping for up to _PUSH_HOLD_STEPPING seconds (after that the
+        # next request's steps end the hold).
         self._push_sending: set[str] = set()
         self._push_registering: set[str] = set()
+        self._push_registered: set[str] = set()
+        self._push_unreceived: dict[str, float] = {}
         # Push mode, a prefill: requests for a remote decode whose blocks
         # can be WRITTEN as soon as the step that completes their prompt has
         # run, before vLLM finishes them (gonixl_scheduler_push_prompt_done):
@@ -617,6 +632,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             request.kv_transfer_params["_remote_blocks_processed"] = True
             if push_register:
                 self._push_registering.add(request.request_id)
+                self._push_registered.add(request.request_id)
 
     def _transfer_ids(self, block_ids: Any) -> Any:
         """A request's block ids per vLLM KV-cache group, reduced to the
@@ -714,6 +730,10 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             self._push_sending -= connector_output.finished_sending
         done = connector_output.finished_recving
         if done:
+            if self._push_registered or self._push_unreceived:
+                self._push_registered -= done
+                for rid in done:
+                    self._push_unreceived.pop(rid, None)
             self._sched_dirty = True
             self._scheduler().update_connector_output(done)
 
@@ -726,6 +746,9 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._need_save.pop(request.request_id, None)
         self._push_early.pop(request.request_id, None)
         self._push_early_seen.discard(request.request_id)
+        if request.request_id in self._push_registered:
+            self._push_registered.discard(request.request_id)
+            self._push_unreceived[request.request_id] = time.monotonic()
         pj = _params_json(request)
         if not pj:
             return False, None
@@ -771,8 +794,16 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         """Push mode: keeps vLLM's engine stepping while a prefill request's
-        blocks wait for their WRITE, or a registration for the worker."""
-        return bool(self._push_sending or self._push_registering)
+        blocks wait for their WRITE, a registration for the worker, or (for
+        a while) a finished decode request for its finished_recving."""
+        if self._push_sending or self._push_registering:
+            return True
+        if self._push_unreceived:
+            horizon = time.monotonic() - _PUSH_HOLD_STEPPING
+            for rid in [r for r, t in self._push_unreceived.items() if t < horizon]:
+                del self._push_unreceived[rid]
+            return bool(self._push_unreceived)
+        return False
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
