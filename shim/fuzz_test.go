@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"github.com/gonixl/gonixl/sidechannel"
 )
 
@@ -263,11 +264,11 @@ func fzFinished(t *testing.T, w *Worker) Finished {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var f Finished
-	if err := json.Unmarshal(b, &f); err != nil {
-		t.Fatalf("get_finished output %q: %v", b, err)
+	f, err := kvwire.DecodeFinished(b)
+	if err != nil {
+		t.Fatalf("get_finished output %x: %v", b, err)
 	}
-	return f
+	return *f
 }
 
 // FuzzStartLoadKV feeds metadata to a worker that knows one remote engine.

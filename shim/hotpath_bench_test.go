@@ -2,10 +2,10 @@ package shim
 
 import (
 	"fmt"
-	"github.com/gonixl/gonixl/shim/kvwire"
 	"testing"
 
 	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 // Microbenchmarks of the worker's per-step hot paths (issue 19): the

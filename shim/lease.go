@@ -5,11 +5,12 @@ package shim
 
 import (
 	"fmt"
-	"github.com/gonixl/gonixl/shim/kvwire"
 	"math"
 	"sort"
 
 	"go.uber.org/zap"
+
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 // leaseSafetyMargin is how much of the remote lease must be left to start a
@@ -180,6 +181,14 @@ func (w *Worker) sendHeartbeatsLocked(hbs map[string]*HeartbeatInfo) {
 		for _, id := range info.ReqIDs {
 			exp, ok := info.Expiry[id]
 			if !ok {
+				continue
+			}
+			if _, released := w.released.Deadline(eng + "\x00" + id); released {
+				// This worker told the remote it is done with these blocks
+				// (its READ completed, or it let go of them): the remote
+				// freed them, and a heartbeat extends nothing. Another
+				// request with the same params gets no floor from it.
+				w.floors.Drop(id)
 				continue
 			}
 			bound := exp - re.offset - re.rtt.Seconds()

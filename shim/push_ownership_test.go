@@ -3,11 +3,11 @@ package shim
 import (
 	"bytes"
 	"fmt"
-	"github.com/gonixl/gonixl/shim/kvwire"
 	"testing"
 	"time"
 
 	"github.com/gonixl/gonixl/nixl/nixltest"
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"github.com/gonixl/gonixl/sidechannel"
 )
 

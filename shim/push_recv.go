@@ -32,11 +32,11 @@ package shim
 import (
 	"errors"
 	"fmt"
-	"github.com/gonixl/gonixl/shim/kvwire"
 	"sort"
 
 	"go.uber.org/zap"
 
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"github.com/gonixl/gonixl/sidechannel"
 )
 

@@ -41,7 +41,6 @@ package shim
 import (
 	"errors"
 	"fmt"
-	"github.com/gonixl/gonixl/shim/kvwire"
 	"slices"
 	"strconv"
 	"time"
@@ -49,6 +48,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 type pushSendState int

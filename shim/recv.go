@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/gonixl/gonixl/shim/kvwire"
 	"math"
 	"slices"
 	"sort"
@@ -16,6 +15,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 type recvState struct {
@@ -139,6 +139,7 @@ func (w *Worker) readLocked(st *recvState) {
 		// prefill it can free its blocks now. They are then consumed: a
 		// second request with the same params must not read them.
 		w.consumeRemoteLocked(st, readKey)
+		w.released.Raise(readKey, w.clock()+2*max(w.cfg.KVLeaseDuration, w.cfg.DecoderKVBlocksTTL))
 		w.notifyRanksLocked(st, re, notif, nil, "P worker blocks will be freed after timeout. This may indicate network issues.")
 		return
 	}
@@ -158,6 +159,7 @@ func (w *Worker) readLocked(st *recvState) {
 		// Nothing will be read: let the prefill free the blocks now rather
 		// than at its lease's end.
 		w.consumeRemoteLocked(st, readKey)
+		w.released.Raise(readKey, w.clock()+2*max(w.cfg.KVLeaseDuration, w.cfg.DecoderKVBlocksTTL))
 		w.notifyRanksLocked(st, re, notif, nil, "")
 		return
 	}
@@ -590,6 +592,12 @@ func (w *Worker) pollTransfersLocked() {
 		}
 		delete(w.recv, id)
 		w.floors.Drop(st.meta.Remote.RequestID)
+		if st.remote != nil {
+			// The READ's notification lets the remote free the blocks:
+			// heartbeats of another request with these params extend
+			// nothing from here on (sendHeartbeatsLocked).
+			w.released.Raise(st.remote.id+"\x00"+st.meta.Remote.RequestID, w.clock()+2*max(w.cfg.KVLeaseDuration, w.cfg.DecoderKVBlocksTTL))
+		}
 		if !st.report {
 			continue // notify-only: vLLM does not wait for it
 		}

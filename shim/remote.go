@@ -215,6 +215,8 @@ func (w *Worker) finishHandshake(engineID, host string, port int, re *remoteEngi
 	delete(w.handshakes, key)
 	// What the handshake says of the agents push waits registered with.
 	w.pushHandshakeSeenLocked(engineID, re, err)
+	// Off vLLM's thread: the next step must poll (posted READs, failures).
+	defer w.publishLocked(true)
 	if hsState == nil {
 		return
 	}

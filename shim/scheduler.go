@@ -3,7 +3,6 @@ package shim
 import (
 	"encoding/json"
 	"fmt"
-	"github.com/gonixl/gonixl/shim/kvwire"
 	"os"
 	"sort"
 	"sync"
@@ -12,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"github.com/gonixl/gonixl/sidechannel"
 )
 

@@ -6,9 +6,10 @@ package shim
 
 import (
 	"fmt"
-	"github.com/gonixl/gonixl/shim/kvwire"
 	"go.uber.org/zap"
 	"strings"
+
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 // pollNotifsLocked drains the engine's notifications (notif.go): a
@@ -47,7 +48,14 @@ func (w *Worker) pollNotifsLocked() {
 		if nt.Heartbeat {
 			exp := w.clock() + w.leaseExtend
 			for _, id := range nt.IDs {
-				w.held.Extend(id, exp)
+				if _, held := w.held.Deadline(id); held {
+					w.held.Extend(id, exp)
+				} else {
+					// Its lease is not installed yet (the step that
+					// carries it has not reached this worker): the decode
+					// counts on this heartbeat, so it applies when it is.
+					w.earlyHeartbeatLocked(id, exp)
+				}
 			}
 			continue
 		}
@@ -96,8 +104,28 @@ func (w *Worker) holdForReadersLocked(m *StepMeta) {
 		if m.SchedulerClock != 0 {
 			exp = now + (exp - m.SchedulerClock) // rebase to this worker's clock
 		}
+		if hb, ok := w.earlyHB.Deadline(id); ok {
+			w.earlyHB.Drop(id)
+			exp = max(exp, hb)
+		}
 		w.held.Hold(id, exp)
 	}
+}
+
+// maxEarlyHeartbeats bounds the heartbeats kept for leases not installed
+// yet (a decode's word, so bounded).
+const maxEarlyHeartbeats = 1 << 16
+
+// earlyHeartbeatLocked keeps a heartbeat for a lease this worker has not
+// installed yet, until the extension it grants has passed.
+func (w *Worker) earlyHeartbeatLocked(id string, exp float64) {
+	if w.earlyHB.Len() >= maxEarlyHeartbeats {
+		w.earlyHB.Expired()
+		if w.earlyHB.Len() >= maxEarlyHeartbeats {
+			return
+		}
+	}
+	w.earlyHB.Raise(id, exp)
 }
 
 // sweepLeasesLocked frees every request whose lease has passed, unless
@@ -106,6 +134,7 @@ func (w *Worker) sweepLeasesLocked() {
 	if w.notifsFailed {
 		return
 	}
+	w.earlyHB.Expired()
 	for _, id := range w.held.Expired() {
 		if ps := w.push.sends[id]; ps != nil {
 			if len(ps.xfers) > 0 {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/nixl/nixltest"
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 const (
@@ -177,15 +178,16 @@ func (sd *side) step(t *testing.T) {
 
 func (sd *side) finished(t *testing.T) Finished {
 	t.Helper()
+	// Through the binary form the C ABI returns.
 	b, err := sd.work.GetFinished()
 	if err != nil {
 		t.Fatal(err)
 	}
-	var f Finished
-	if err := json.Unmarshal(b, &f); err != nil {
+	f, err := kvwire.DecodeFinished(b)
+	if err != nil {
 		t.Fatal(err)
 	}
-	return f
+	return *f
 }
 
 // waitFinished polls until pred holds, collecting results; bounded.

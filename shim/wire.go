@@ -13,6 +13,8 @@ type (
 	RemoteMeta     = kvwire.RemoteMeta
 	PushFinished   = kvwire.PushFinished
 	HeartbeatInfo  = kvwire.HeartbeatInfo
+	Finished       = kvwire.Finished
+	BlockReshape   = kvwire.BlockReshape
 )
 
 // ParseTransferParams is kvwire.ParseTransferParams with its errors in

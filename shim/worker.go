@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"github.com/gonixl/gonixl/sidechannel"
 )
 
@@ -37,34 +38,6 @@ type WorkerInit struct {
 	// layouts: "cpu_attn:vec", "cpu_attn:amx"); "" elsewhere. Two gonixl
 	// peers that both state one must state the same.
 	KernelLayout string `json:"kernel_layout,omitempty"`
-}
-
-// Finished is what get_finished reports for one step.
-type Finished struct {
-	Sending []string `json:"finished_sending"`
-	Recving []string `json:"finished_recving"`
-	Failed  []string `json:"failed_recving"`
-	// Reshape lists, by request, the blocks of a finished READ from a
-	// prefill of a smaller block size: the Python connector puts their
-	// tokens in this engine's order before vLLM computes from them.
-	Reshape map[string][]BlockReshape `json:"reshape,omitempty"`
-	// LoadErrorsPending and StatsPending say whether LoadErrors and Stats
-	// have something to return: the Python connector calls them only
-	// then, instead of twice more every step.
-	LoadErrorsPending bool `json:"load_errors_pending,omitempty"`
-	StatsPending      bool `json:"stats_pending,omitempty"`
-}
-
-// BlockReshape is one request's blocks of one KV-cache group read at a
-// smaller remote block size:
-// each local block received Ratio remote blocks one after another (its
-// sub-blocks); Covered is how many sub-blocks of Blocks, in order, were
-// written (the tail of the last block past it holds no prompt token and
-// is zeroed, as vLLM does).
-type BlockReshape struct {
-	Ratio   int     `json:"ratio"`
-	Blocks  []int64 `json:"blocks"`
-	Covered int     `json:"covered"`
 }
 
 // Worker is the worker-side connector state of one rank: the transfer
@@ -120,6 +93,8 @@ type Worker struct {
 	held       *leases // prefill: requests whose blocks wait for readers
 	consumers  map[string]int
 	floors     *leases // decode: remote request id -> lower bound of its remote lease (heartbeats)
+	earlyHB    *leases // prefill: heartbeats for leases not installed yet (send.go)
+	released   *leases // decode: remote blocks this worker told their engine it is done with (lease.go)
 	// read: remote block sets this worker READ or let go of (remote engine
 	// and request id), until their lease surely ended: this worker's
 	// notification lets the remote free them, so a second READ of the same
@@ -128,13 +103,18 @@ type Worker struct {
 	read *leases
 	// notifsFailed: the last GetNotifs failed (leases are not swept).
 	notifsFailed bool
-	pendingFin   []byte
-	leaseExtend  float64
-	leaseMargin  float64 // leaseMarginFor(kv_lease_duration)
-	panics       atomic.Int64
-	stuckTotal   atomic.Int64 // handles ever held because release failed
-	pushHolds    atomic.Int64 // push waits that failed and held their blocks until no WRITE could land
-	hsGuard      handshakeGuard
+	// pub receives the idle state (idle.go); evictTimer bumps its counter
+	// at evictAt, the next engine_ttl eviction of an idle worker.
+	pub         Publisher
+	evictTimer  *time.Timer
+	evictAt     float64
+	pendingFin  []byte
+	leaseExtend float64
+	leaseMargin float64 // leaseMarginFor(kv_lease_duration)
+	panics      atomic.Int64
+	stuckTotal  atomic.Int64 // handles ever held because release failed
+	pushHolds   atomic.Int64 // push waits that failed and held their blocks until no WRITE could land
+	hsGuard     handshakeGuard
 	// push: push mode, a prefill's sends and registrations (push_send.go);
 	// a decode's waits live on its recvStates (push_recv.go).
 	push       *pushSender
@@ -173,6 +153,8 @@ func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
 		consumers:  map[string]int{},
 		floors:     newLeases(clock),
 		read:       newLeases(clock),
+		earlyHB:    newLeases(clock),
+		released:   newLeases(clock),
 		// vLLM: kv_lease_duration * 2 // 3
 		leaseExtend: float64(int(cfg.KVLeaseDuration) * 2 / 3),
 		leaseMargin: leaseMarginFor(cfg.KVLeaseDuration),
@@ -293,6 +275,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	w.blockSize, w.kvLayout, w.attnBackend = init.BlockSize, init.KVCacheLayout, init.AttnBackend
 	w.blockReshape = init.BlockReshape
 	ok = true
+	w.startIdlePoller()
 	var total uint64
 	for _, s := range layout.Storage {
 		total += s.Len
@@ -327,6 +310,7 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 		return withClass(ErrInvalidInput, err)
 	}
 	defer w.lockTimed("start_load_kv")()
+	defer w.publishLocked(false)
 	if w.agent == nil {
 		if len(m.ReqsToRecv) > 0 {
 			return withClass(ErrState, errors.New("start_load_kv before register_kv_caches"))
@@ -349,49 +333,54 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 	return nil
 }
 
-// GetFinished polls transfers and notifications, sweeps expired leases and
-// returns what finished since the last call.
+// GetFinished is Poll's result in kvwire's binary form, what the C ABI's
+// gonixl_worker_get_finished returns every engine step.
 func (w *Worker) GetFinished() ([]byte, error) {
+	f := w.Poll()
+	return kvwire.AppendFinished(make([]byte, 0, 64), &f), nil
+}
+
+// Poll polls transfers and notifications, sweeps expired leases and
+// returns what finished since the last call.
+func (w *Worker) Poll() Finished {
 	defer w.lockTimed("get_finished")()
+	defer w.publishLocked(false)
 	w.notePollLocked()
 	if w.agent != nil && !w.engineBusyLocked() {
 		w.postDeferredLocked()
+		// After the step's forward (vLLM calls get_finished then): the
+		// early pushes its start_load_kv announced are computed.
 		w.pushComputedLocked()
-		t0 := time.Now()
-		w.pollTransfersLocked()
-		t1 := time.Now()
-		w.pollNotifsLocked()
-		t2 := time.Now()
-		w.sweepLeasesLocked()
-		w.read.Expired()
-		t3 := time.Now()
-		w.evictIdleRemotesLocked()
-		w.pollPushWaitsLocked()
-		w.pollPushSendsLocked()
-		w.sweepPushLocked()
-		if t4 := time.Now(); t4.Sub(t0) >= lockHoldWarn {
-			w.log.Warn("slow get_finished", zap.Duration("transfers", t1.Sub(t0)), zap.Duration("notifications", t2.Sub(t1)),
-				zap.Duration("leases", t3.Sub(t2)), zap.Duration("evictions", t4.Sub(t3)))
-		}
+		w.pollLocked()
 	}
 	f := w.done
 	w.done = Finished{}
 	f.LoadErrorsPending = len(w.invalid) > 0
 	f.StatsPending = w.stats.Pending()
-	if f.Sending == nil {
-		f.Sending = []string{}
+	return f
+}
+
+// pollLocked polls transfers and notifications and runs the timers:
+// everything a poll does that does not depend on where vLLM's step is
+// (IdlePoll runs it too).
+func (w *Worker) pollLocked() {
+	t0 := time.Now()
+	w.pollTransfersLocked()
+	t1 := time.Now()
+	w.pollNotifsLocked()
+	t2 := time.Now()
+	w.sweepLeasesLocked()
+	w.read.Expired()
+	w.released.Expired()
+	t3 := time.Now()
+	w.evictIdleRemotesLocked()
+	w.pollPushWaitsLocked()
+	w.pollPushSendsLocked()
+	w.sweepPushLocked()
+	if t4 := time.Now(); t4.Sub(t0) >= lockHoldWarn {
+		w.log.Warn("slow get_finished", zap.Duration("transfers", t1.Sub(t0)), zap.Duration("notifications", t2.Sub(t1)),
+			zap.Duration("leases", t3.Sub(t2)), zap.Duration("evictions", t4.Sub(t3)))
 	}
-	if f.Recving == nil {
-		f.Recving = []string{}
-	}
-	if f.Failed == nil {
-		f.Failed = []string{}
-	}
-	b, err := json.Marshal(f)
-	if err != nil {
-		return nil, err
-	}
-	return b, nil
 }
 
 // LoadErrors returns (and clears) the local block ids whose load failed.
@@ -420,6 +409,10 @@ func (w *Worker) Close() error {
 		return nil
 	}
 	w.closed = true
+	if w.evictTimer != nil {
+		w.evictTimer.Stop()
+	}
+	w.publishLocked(true)
 	hs := w.hs
 	unserveMetrics(w.prom.reg)
 	var errs []error

@@ -18,7 +18,8 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+import struct
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 from . import _lib
 
@@ -79,6 +80,66 @@ def live_objects() -> dict[str, int]:
 def probe() -> dict[str, Any]:
     """What the library finds on this host: version and transfer engines."""
     return json.loads(_lib.call_bytes("gonixl_probe"))
+
+
+class Finished(NamedTuple):
+    """A worker's get_finished: the request ids finished sending, finished
+    receiving and failed receiving since the last call; the blocks to
+    reshape per request (read from a prefill of a smaller block size:
+    per group {"ratio", "blocks", "covered"}); and whether load_errors and
+    stats have something to return."""
+
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]
+    reshape: dict[str, list[dict[str, Any]]]
+    load_errors_pending: bool
+    stats_pending: bool
+
+
+_HEAD = struct.Struct("<6I")
+_U32 = struct.Struct("<I")
+_GROUP = struct.Struct("<3I")
+FINISHED_VERSION = 1
+FINISHED_LOAD_ERRORS_PENDING = 1
+FINISHED_STATS_PENDING = 2
+
+
+def decode_finished(b: bytes) -> Finished:
+    """gonixl_worker_get_finished's binary form (include/gonixl.h)."""
+    version, flags, ns, nr, nf, nx = _HEAD.unpack_from(b, 0)
+    if version != FINISHED_VERSION:
+        raise ValueError(f"get_finished result version {version}, this package reads {FINISHED_VERSION}")
+    if not (ns or nr or nf or nx):
+        return Finished(set(), set(), set(), {}, bool(flags & FINISHED_LOAD_ERRORS_PENDING), bool(flags & FINISHED_STATS_PENDING))
+    off = _HEAD.size
+    lists: list[set[str]] = []
+    for n in (ns, nr, nf):
+        ids = set()
+        for _ in range(n):
+            (ln,) = _U32.unpack_from(b, off)
+            off += 4
+            ids.add(b[off : off + ln].decode())
+            off += ln
+        lists.append(ids)
+    reshape: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(nx):
+        (ln,) = _U32.unpack_from(b, off)
+        rid = b[off + 4 : off + 4 + ln].decode()
+        off += 4 + ln
+        (ng,) = _U32.unpack_from(b, off)
+        off += 4
+        groups = []
+        for _ in range(ng):
+            ratio, covered, nb = _GROUP.unpack_from(b, off)
+            off += _GROUP.size
+            blocks = list(struct.unpack_from(f"<{nb}q", b, off))
+            off += 8 * nb
+            groups.append({"ratio": ratio, "blocks": blocks, "covered": covered})
+        reshape[rid] = groups
+    return Finished(
+        lists[0], lists[1], lists[2], reshape, bool(flags & FINISHED_LOAD_ERRORS_PENDING), bool(flags & FINISHED_STATS_PENDING)
+    )
 
 
 Params = Union[bytes, Mapping[str, Any], None]
@@ -245,6 +306,7 @@ class Worker:
 
     def __init__(self, config: Union[bytes, Mapping[str, Any]]):
         self.handle = _new("gonixl_worker_new", config, "worker")
+        self._out: Optional[_lib.Buffer] = None
 
     def register_kv_caches(
         self,
@@ -279,11 +341,19 @@ class Worker:
     def start_load_kv(self, meta: bytes) -> None:
         _lib.call("gonixl_worker_start_load_kv", self.handle, meta, len(meta))
 
-    def get_finished(self) -> dict[str, Any]:
-        """finished_sending, finished_recving and failed_recving since the
-        last call, the blocks to reshape, and whether load_errors and stats
-        have something to return."""
-        return json.loads(_lib.call_bytes("gonixl_worker_get_finished", self.handle))
+    def get_finished(self) -> Finished:
+        """What finished since the last call (include/gonixl.h's binary
+        form, decoded into the sets vLLM's results are made of)."""
+        if self._out is None:
+            self._out = _lib.Buffer(4096)
+        return decode_finished(_lib.call_into(self._out, "gonixl_worker_get_finished", self.handle))
+
+    def state(self) -> _lib.WorkerState:
+        """The worker's idle state (busy, seq), in memory the library keeps
+        current: read its fields without a call (include/gonixl.h)."""
+        p = ctypes.POINTER(_lib.WorkerState)()
+        _lib.call("gonixl_worker_state", self.handle, ctypes.byref(p))
+        return p.contents
 
     def load_errors(self) -> list[int]:
         return json.loads(_lib.call_bytes("gonixl_worker_load_errors", self.handle, initial=64))

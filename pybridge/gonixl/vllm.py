@@ -430,6 +430,12 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched_dirty = True
         self._load_errors_pending = True
         self._stats_pending = True
+        # The worker's idle state (gonixl_worker_state), the change counter
+        # seen by the last get_finished, and whether this step's metadata
+        # asks for a poll.
+        self._state: Optional[_lib.WorkerState] = None
+        self._seq = -1
+        self._poll_next = True
         mode = self._TRANSFER_MODE
         if role == KVConnectorRole.SCHEDULER:
             self._sched = Scheduler(_config_json(vllm_config, "scheduler", kv_cache_config, mode))
@@ -874,6 +880,9 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             kernel_layout=kernel,
         )
         self._handshake = GoNixlHandshakeMetadata(payload)
+        # From here on get_finished is skipped in idle steps (the state is
+        # the library's, read without a call).
+        self._state = self._work().state()
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
         return self._handshake
@@ -884,6 +893,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if self._host is not None:
             self._recv_blocks.update(meta.recv)
         if meta.data:  # b"": an idle step (build_connector_meta)
+            # A step with metadata may start work: its get_finished polls.
+            self._poll_next = True
             self._work().start_load_kv(meta.data)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -910,25 +921,32 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                 # The library WRITEs this step's completed prompts now: the
                 # forward's kernels that fill their blocks must be done.
                 torch.cuda.synchronize()
+        st = self._state
+        if st is not None:
+            # An idle step (shim/idle.go): nothing in flight or held, nothing
+            # changed off this thread, no metadata this step: nothing for
+            # the library to find, and no call.
+            seq = st.seq
+            if not self._poll_next and not st.busy and seq == self._seq:
+                return KVConnectorTransferResults(finished_sending=set(), finished_recving=set(), failed_recving=set())
+            self._seq, self._poll_next = seq, False
         r = self._work().get_finished()
         # Whether the next two per-step calls have anything to return.
-        self._load_errors_pending = bool(r.get("load_errors_pending"))
-        self._stats_pending = bool(r.get("stats_pending"))
+        self._load_errors_pending = r.load_errors_pending
+        self._stats_pending = r.stats_pending
         if self._host is not None:
-            for req in r["failed_recving"]:
+            for req in r.failed_recving:
                 self._recv_blocks.pop(req, None)
-            for req in r["finished_recving"]:
+            for req in r.finished_recving:
                 blocks = self._recv_blocks.pop(req, None)
                 if blocks:
                     self._host.load_to_device(blocks)  # before vLLM computes from them
-        for entries in r.get("reshape", {}).values():
+        for entries in r.reshape.values():
             # Read from a prefill of a smaller block size: in token order
             # before vLLM computes from them.
             self._reshaper.apply(entries)
         return KVConnectorTransferResults(
-            finished_sending=set(r["finished_sending"]),
-            finished_recving=set(r["finished_recving"]),
-            failed_recving=set(r["failed_recving"]),
+            finished_sending=r.finished_sending, finished_recving=r.finished_recving, failed_recving=r.failed_recving
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:

@@ -290,6 +290,8 @@ def _dummy_args(argtypes):
             args.append((ctypes.c_int64 * 1)(0))
         elif t is _lib.i32_p:
             args.append(ctypes.byref(ctypes.c_int32(0)))
+        elif t is _lib.worker_state_pp:
+            args.append(ctypes.byref(ctypes.POINTER(_lib.WorkerState)()))
         else:
             args.append(0)
     return args
@@ -346,12 +348,16 @@ def test_one_binding_of_the_c_abi():
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("call", "call_bytes")
+                and node.func.attr in ("call", "call_bytes", "call_into")
                 and isinstance(node.func.value, ast.Name)
                 and node.func.value.id == "_lib"
             ):
                 assert name == "engine.py", f"{name}:{node.lineno} calls the library directly; go through gonixl.engine"
-            if isinstance(node, ast.Call) and name == "engine.py" and node.args and isinstance(node.args[0], ast.Constant):
-                called.add(node.args[0].value)  # _lib.call("gonixl_...", ...) and _new("gonixl_..._new", ...)
+            if isinstance(node, ast.Call) and name == "engine.py":
+                # _lib.call("gonixl_...", ...), _new("gonixl_..._new", ...),
+                # _lib.call_into(buffer, "gonixl_...", ...)
+                for a in node.args[:2]:
+                    if isinstance(a, ast.Constant) and isinstance(a.value, str):
+                        called.add(a.value)
     declared = {p[0] for p in _lib.PROTOTYPES} - {"gonixl_abi_version", "gonixl_debug_panic"}
     assert declared <= called, f"C functions without a binding method: {sorted(declared - called)}"
