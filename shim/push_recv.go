@@ -125,9 +125,12 @@ func (w *Worker) registerPushLocked(st *recvState, re *remoteEngine) {
 	st.remote = re
 	st.push = &pushWait{
 		deadline: w.clock() + w.cfg.PushRegistrationTimeout,
-		want:     max(st.meta.PPSize, 1) * max(1, re.plan.remoteTP/max(w.cfg.TPSize, 1)),
-		ranks:    ranks,
-		gonixl:   re.gonixl,
+		// This rank registered with its own pipeline stage's ranks only
+		// (startHandshakeLocked): each of them that holds distinct heads
+		// WRITEs once.
+		want:   max(1, re.plan.remoteTP/max(w.cfg.TPSize, 1)),
+		ranks:  ranks,
+		gonixl: re.gonixl,
 	}
 	w.touchRemoteLocked(re)
 }
@@ -355,7 +358,7 @@ func (w *Worker) pushPeerLostLocked(engineID string) {
 // engine: the old process, and its registrations, are gone). A holding
 // wait whose ranks are all gone or answered ends; a live gonixl prefill
 // is asked again at once.
-func (w *Worker) pushHandshakeSeenLocked(engineID string, re *remoteEngine, err error) {
+func (w *Worker) pushHandshakeSeenLocked(engineID, host string, port int, re *remoteEngine, err error) {
 	var live map[string]bool
 	switch {
 	case err == nil:
@@ -370,8 +373,9 @@ func (w *Worker) pushHandshakeSeenLocked(engineID string, re *remoteEngine, err 
 	}
 	for _, id := range sortedKeys(w.recv) {
 		st := w.recv[id]
-		if st.push == nil || st.push.state == pushDone || st.meta.Remote.EngineID != engineID {
-			continue
+		rm := &st.meta.Remote
+		if st.push == nil || st.push.state == pushDone || rm.EngineID != engineID || rm.Host != host || rm.Port != port {
+			continue // a handshake elsewhere says nothing of the agents at this request's address
 		}
 		pw := st.push
 		gone := 0

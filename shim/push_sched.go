@@ -18,7 +18,7 @@
 //
 //	(none) --PushPromptDone--> announced --RequestFinished--> finished (blocks held, PushFinished in the step's metadata)
 //	announced --PushPreempted--> (none; PushPreempted in the step's metadata; recomputed, it finishes through request_finished)
-//	announced for pushAnnounceStale seconds without request_finished --> (none), logged
+//	announced for pushAnnounceStale seconds without request_finished --> (none; PushPreempted, as a preemption), logged
 //
 // A decode request's: UpdateStateAfterAlloc registers it (waiting) until
 // UpdateConnectorOutput receives it, or RequestFinished (an abort) puts it
@@ -131,8 +131,13 @@ func (s *Scheduler) PendingBlockFrees() bool {
 	now := s.clock()
 	for id, t := range s.pushs.announced {
 		if now-t > pushAnnounceStale {
+			// vLLM may preempt it from now on without telling: the
+			// workers treat it as preempted (its WRITE dropped, or
+			// waited for), and its request_finished as any other.
 			delete(s.pushs.announced, id)
-			s.log.Warn("push: an announced request was not finished within its step; it no longer holds preemption off", zap.String("req_id", id))
+			delete(s.pushs.early, id)
+			s.pushs.preempted = append(s.pushs.preempted, id)
+			s.log.Warn("push: an announced request was not finished within its step; it no longer holds preemption off, and its early WRITE is dropped", zap.String("req_id", id))
 		}
 	}
 	return len(s.pushs.announced) > 0

@@ -330,7 +330,7 @@ func (w *Worker) pushRegLocked(from string, payload []byte) {
 		// the decode may have given back.
 		return
 	}
-	reg.received = w.clock()
+	reg.received, reg.from = w.clock(), from
 	if ps := w.takeSendLocked(reg.RequestID); ps != nil {
 		w.matchPushLocked(ps, reg)
 		return
@@ -389,11 +389,22 @@ func (w *Worker) writeLocked(ps *pushSend, re *remoteEngine) {
 		fail("transfer_setup_failed", err)
 		return
 	}
-	if ps.digest != "" && ps.reg.PromptDigest != "" && ps.digest != ps.reg.PromptDigest {
+	if ps.reg.from != "" && !slices.Contains(re.agents(), ps.reg.from) {
+		// The registering process is gone: the engine id and address are
+		// another process's now, whose blocks are not the registered ones.
+		// Nothing to write, and nobody to tell.
+		w.log.Warn("push: the decode process that registered is gone (its engine id and address answer with other agents); not writing",
+			zap.String("request_id", ps.id), zap.String("decode_request_id", ps.reg.RequestID), zap.String("registered_by", ps.reg.from))
+		ps.state = sendDone
+		w.pushSentLocked(ps)
+		return
+	}
+	if ps.reg.PromptDigest != "" && ps.digest != ps.reg.PromptDigest {
 		// Matched by request id, but the decode's prompt is not this
-		// request's (a reused id, a proxy mix-up): writing would give it
-		// another prompt's KV.
-		fail("transfer_setup_failed", fmt.Errorf("the decode's prompt differs from this request's (gonixl_prompt_digest %s, here %s): not writing", ps.reg.PromptDigest, ps.digest))
+		// request's (a reused id, a proxy mix-up), or this request's KV
+		// is not known to be its prompt's (no digest: its blocks may run
+		// past the prompt): writing could give it another prompt's KV.
+		fail("transfer_setup_failed", fmt.Errorf("the decode's prompt is not known to be this request's (gonixl_prompt_digest %s, here %q): not writing", ps.reg.PromptDigest, ps.digest))
 		return
 	}
 	local, remote, err := pairPush(ps.blocks, ps.reg.LocalBlockIDs)

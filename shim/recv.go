@@ -124,6 +124,16 @@ func (w *Worker) readLocked(st *recvState) {
 		w.registerPushLocked(st, re)
 		return
 	}
+	if rm.Instance != "" && rm.Instance != re.instance {
+		// The params were made by another process than the one serving
+		// this engine id at this address now (a restart): its blocks hold
+		// other KV. Not read, and not notified either (the new process
+		// has no such request).
+		w.stats.RecordFailedTransfer()
+		w.failLocked(st, "transfer_setup_failed", fmt.Sprintf("engine %s restarted since it made these params (instance %s, now %q): not reading its blocks",
+			re.id, rm.Instance, re.instance), nil)
+		return
+	}
 	// vLLM's "<req>:<consumers>": how many decode ranks notify each
 	// prefill rank (tpmap.go).
 	notif := kvwire.DoneNotif(rm.RequestID, re.plan.consumers)
@@ -135,6 +145,12 @@ func (w *Worker) readLocked(st *recvState) {
 	}
 	readKey := re.id + "\x00" + rm.RequestID
 	if len(local) == 0 {
+		if _, reading := w.read.Deadline(readKey); reading {
+			// Another request of this worker read, or reads, these
+			// blocks: its notification (after its READ) frees them. One
+			// sent now could free them under that READ.
+			return
+		}
 		// Full local prefix hit or abort before scheduling: tell the
 		// prefill it can free its blocks now. They are then consumed: a
 		// second request with the same params must not read them.

@@ -35,6 +35,9 @@ type remoteEngine struct {
 	// gonixl: the remote is a gonixl engine (its metadata states its
 	// geometry); only such a peer is sent gonixl's own notifications.
 	gonixl bool
+	// instance: the gonixl scheduler process serving it ("" for a stock
+	// engine): params made by another process are not read from it.
+	instance string
 }
 
 // remoteRank is one remote TP rank this worker handshook with: its agent,
@@ -214,7 +217,7 @@ func (w *Worker) finishHandshake(engineID, host string, port int, re *remoteEngi
 	// the recovery fails its waiting requests.
 	delete(w.handshakes, key)
 	// What the handshake says of the agents push waits registered with.
-	w.pushHandshakeSeenLocked(engineID, re, err)
+	w.pushHandshakeSeenLocked(engineID, host, port, re, err)
 	// Off vLLM's thread: the next step must poll (posted READs, failures).
 	defer w.publishLocked(true)
 	if hsState == nil {
@@ -281,6 +284,7 @@ func (w *Worker) prepareRemote(engineID, host string, port int, plan tpPlan, res
 		}
 		re.blockRatio = ratio
 		re.gonixl = md.Geometry != ""
+		re.instance = md.Instance
 		n := int64(len(md.KVCachesBaseAddr)) * md.NumBlocks
 		if n > math.MaxInt32 || n > maxRemoteDescs(int64(len(w.layout.Regions))*w.layout.NumBlocks) {
 			return nil, fmt.Errorf("remote engine %s (tp_rank %d) advertises %d regions x %d blocks, more descriptors than this engine accepts from a peer (%d here)",

@@ -40,7 +40,10 @@ type Scheduler struct {
 	lastHeartbeat     float64
 	hbInterval        float64
 	listener          *sidechannel.Listener
-	reg               *prometheus.Registry // live gauges
+	// instance: this scheduler process's random id, in the params it makes
+	// and in the handshake metadata it serves (kvwire.KeyInstance).
+	instance string
+	reg      *prometheus.Registry // live gauges
 }
 
 type hbTarget struct {
@@ -71,6 +74,7 @@ func NewScheduler(cfg *Config, clock Clock) (_ *Scheduler, err error) {
 		hbByEngine:       map[string]*hbTarget{},
 		hbReqEngine:      map[string][2]string{},
 		pushs:            newPushSched(),
+		instance:         randomSuffix(),
 		// vLLM: kv_lease_duration // 6 (integer seconds).
 		hbInterval: float64(int(cfg.KVLeaseDuration) / 6),
 	}
@@ -304,6 +308,7 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 					RequestID: p.RemoteRequestID,
 					Expiry:    p.RemoteExpiry,
 					NumTokens: p.RemoteNumTokens,
+					Instance:  p.Instance,
 				},
 			}
 			s.addRecvLocked(reqID, rr)
@@ -477,6 +482,7 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 		RemoteExpiry:    expiry,
 		ExpiryUnix:      expiryUnix,
 		TransferMode:    s.cfg.TransferMode,
+		Instance:        s.instance,
 	}
 	b, err := json.Marshal(out)
 	if err != nil {
@@ -515,8 +521,15 @@ func (s *Scheduler) UpdateConnectorOutput(finishedRecving []string) {
 // (pp, tp) on the side channel, starting the listener on first use.
 func (s *Scheduler) SetHandshakePayload(pp, tp int, payload []byte) (err error) {
 	defer classify(&err, ErrInvalidInput)
-	if _, err := sidechannel.DecodeHandshakePayload(payload); err != nil {
+	hp, err := sidechannel.DecodeHandshakePayload(payload)
+	if err != nil {
 		return fmt.Errorf("handshake payload for pp_rank=%d tp_rank=%d: %w", pp, tp, err)
+	}
+	if am, err := sidechannel.DecodeAgentMetadata(hp.AgentMetadataBytes); err == nil && am.Geometry != "" {
+		// A gonixl worker's: served with this process's instance id.
+		am.Instance = s.instance
+		hp.AgentMetadataBytes = am.Encode()
+		payload = hp.Encode()
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

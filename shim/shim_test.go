@@ -262,7 +262,8 @@ func TestRequestFinishedParamsKeys(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []string{"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
-		"remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode"}
+		"remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode",
+		"gonixl_instance"}
 	if len(got) != len(want) {
 		t.Errorf("got %d keys %v, want %d", len(got), got, len(want))
 	}

@@ -32,6 +32,10 @@ func DecodeStepMeta(b []byte) (*StepMeta, error) { return kvwire.DecodeStepMeta(
 type pushReg struct {
 	kvwire.PushReg
 	received float64
+	// from: the decode agent that sent it. Its blocks are that process's:
+	// a process that took the decode's engine id and address after it
+	// (a restart) has other agents and is never written.
+	from string
 }
 
 // decodePushReg parses a registration (without its prefix).

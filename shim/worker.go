@@ -333,6 +333,26 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 	return nil
 }
 
+// HandlePreemptions is vLLM's handle_preemptions, called with a step's
+// metadata before that step's forward: an announced push whose request
+// vLLM preempted has its WRITE dropped if not posted, or waited for if
+// posted, before the forward can give its blocks another request's KV
+// (push_send.go pushPreemptedLocked). start_load_kv, which vLLM calls
+// after the forward, does the same for callers without this hook.
+func (w *Worker) HandlePreemptions(metaBytes []byte) error {
+	m, err := DecodeStepMeta(metaBytes)
+	if err != nil {
+		return withClass(ErrInvalidInput, err)
+	}
+	if len(m.PushPreempted) == 0 {
+		return nil
+	}
+	defer w.lockTimed("handle_preemptions")()
+	defer w.publishLocked(false)
+	w.pushPreemptedLocked(m.PushPreempted)
+	return nil
+}
+
 // GetFinished is Poll's result in kvwire's binary form, what the C ABI's
 // gonixl_worker_get_finished returns every engine step.
 func (w *Worker) GetFinished() ([]byte, error) {

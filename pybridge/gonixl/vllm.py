@@ -413,6 +413,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # announced ones, holds preemption off while they run, and fences
         # those vLLM preempts anyway: gonixl_scheduler_push_preempted).
         groups, _ = _transfer_groups(vllm_config, kv_cache_config)
+        self._groups = groups
         self._push_early_ok = (
             self._TRANSFER_MODE == "push"
             and role == KVConnectorRole.SCHEDULER
@@ -771,13 +772,23 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         in_flight = getattr(request, "num_in_flight_tokens", 0)
         computed = max(0, min(request.num_computed_tokens - in_flight, len(request.all_token_ids)))
         push_prefill = self._TRANSFER_MODE == "push" and bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        transfer_ids = self._transfer_ids(block_ids)
         if push_prefill:
+            # The decode registered blocks for its prompt: a request that
+            # ran past its prompt (max_tokens > 1) WRITEs the prompt's
+            # blocks only, with the prompt's digest (the decode writes
+            # nowhere else, and refuses a registration match without one).
+            n_prompt = request.num_prompt_tokens
+            if computed > n_prompt:
+                computed = n_prompt
+                transfer_ids = tuple(
+                    list(g)[: -(-n_prompt // gs["block_size"])] for g, gs in zip(transfer_ids, self._groups, strict=True)
+                )
             # Its WRITE goes only to a decode whose prompt has this digest.
             pj = _with_digest(request.kv_transfer_params or {}, request.prompt_token_ids, computed) or pj
         self._sched_dirty = True
-        got = self._per_request(
-            request, self._scheduler().request_finished, request.request_id, pj, self._transfer_ids(block_ids), normal, computed
-        )
+        sched = self._scheduler()
+        got = self._per_request(request, sched.request_finished, request.request_id, pj, transfer_ids, normal, computed)
         if got is None:
             return False, None
         delay, params = got

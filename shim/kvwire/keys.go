@@ -23,6 +23,11 @@ const (
 	// KeyReadbackTokens: how many leading prompt tokens a prefill may pull
 	// back, as its Python connector found from KeyTokenDigest.
 	KeyReadbackTokens = "gonixl_readback_tokens"
+	// KeyInstance: the random id of the gonixl scheduler process that
+	// made the params; the same id is in its handshake metadata
+	// (sidechannel.InstanceKey). A reader whose handshake finds another id
+	// at that engine id and address (a restart) does not read.
+	KeyInstance = "gonixl_instance"
 )
 
 // OutParams is the kv_transfer_params dict request_finished returns, with
@@ -44,4 +49,5 @@ type OutParams struct {
 	// ExpiryUnix (gonixl's addition, a decode's params only): the Unix time
 	// at which the decode frees the blocks (decoder_kv_blocks_ttl).
 	ExpiryUnix *float64 `json:"gonixl_expiry_unix,omitempty"` // KeyExpiryUnix
+	Instance   string   `json:"gonixl_instance,omitempty"`    // KeyInstance
 }

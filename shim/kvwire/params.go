@@ -66,7 +66,10 @@ type TransferParams struct {
 	// Push mode: a prefill's finished request and a decode's registration
 	// carry it, and the prefill WRITEs only into a decode whose prompt has
 	// the same digest.
-	PromptDigest    string
+	PromptDigest string
+	// Instance (gonixl_instance, "" when absent): the id of the gonixl
+	// scheduler process that made these params.
+	Instance        string
 	BlocksProcessed bool // _remote_blocks_processed
 	hasEngine       bool
 	hasRequest      bool
@@ -197,6 +200,14 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 			return nil, fmt.Errorf("kv_transfer_params: gonixl_prompt_digest of %d bytes", len(v))
 		}
 		p.PromptDigest = v
+	}
+	if v, ok, err := getString(raw, KeyInstance); err != nil {
+		return nil, err
+	} else if ok {
+		if len(v) > 64 {
+			return nil, fmt.Errorf("kv_transfer_params: %s of %d bytes", KeyInstance, len(v))
+		}
+		p.Instance = v
 	}
 	if v, ok, err := getFloat(raw, "remote_blocks_expiry_time"); err != nil {
 		return nil, err

@@ -18,6 +18,7 @@ type RemoteMeta struct {
 	RequestID string   `msgpack:"request_id"`
 	Expiry    *float64 `msgpack:"expiry,omitempty"` // remote_blocks_expiry_time, remote clock
 	NumTokens int64    `msgpack:"num_tokens"`
+	Instance  string   `msgpack:"instance,omitempty"` // gonixl_instance of the params
 }
 
 // RecvReq is one request the worker must load (vLLM's ReqMeta).

@@ -264,3 +264,28 @@ def test_push_decode_keeps_vllm_stepping_while_it_holds_a_finished_request(gv, m
         assert not conn.has_pending_push_work()
     finally:
         conn.shutdown()
+
+
+def test_push_prefill_past_its_prompt_writes_the_prompts_blocks(gv):
+    """A push prefill whose request ran past its prompt (max_tokens > 1)
+    hands over only the blocks of the prompt, with the prompt's digest:
+    the decode registered blocks for the prompt and nothing else."""
+    mod, _ = gv
+    conn = _sched(mod, mod.GoNixlPushConnector, "kv_producer", "own-push-p5", {})
+    try:
+        n = 2 * BS + 3  # three blocks of prompt
+        req = h.Engine.request("p-5", n, {"do_remote_decode": True}, max_tokens=8)
+        for i in range(6):
+            req.append_output_token_ids(11 + i)
+        req.num_computed_tokens = n + 5  # past the prompt: a fourth block
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        delay, _ = conn.request_finished_all_groups(req, ([4, 5, 6, 7],))
+        assert delay
+        m = _meta(conn, SchedulerOutput.make_empty())
+        pf = (m.get("push_finished") or {}).get("p-5")
+        assert pf is not None, m
+        blocks = [b for g in pf["blocks"] for b in __import__("struct").unpack(f"<{len(g) // 8}q", g)]
+        assert blocks == [4, 5, 6], blocks
+        assert pf.get("prompt_digest") == mod.prompt_digest(req.prompt_token_ids, n)
+    finally:
+        conn.shutdown()
