@@ -165,8 +165,8 @@ gonixl_status_t gonixl_scheduler_push_prompt_done(gonixl_scheduler_t h, char *re
  * step (its SchedulerOutput's preempted_req_ids, a JSON array). Those
  * announced by push_prompt_done and not finished go to the workers in this
  * step's metadata: a WRITE not posted yet is dropped, one in flight is waited
- * for in gonixl_worker_start_load_kv, before the step's forward can overwrite
- * the blocks. Call before this step's gonixl_scheduler_build_meta. */
+ * for in gonixl_worker_handle_preemptions, before the step's forward can
+ * overwrite the blocks. Call before this step's gonixl_scheduler_build_meta. */
 gonixl_status_t gonixl_scheduler_push_preempted(gonixl_scheduler_t h, char *req_ids_json,
                                                 size_t json_len, gonixl_error_t *err);
 

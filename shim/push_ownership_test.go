@@ -2,7 +2,6 @@ package shim
 
 import (
 	"bytes"
-	"fmt"
 	"testing"
 	"time"
 
@@ -375,7 +374,6 @@ func TestPushFailedFromOneRankWaitsForTheOther(t *testing.T) {
 		}
 		return contains(f.Recving, "cmpl-f-0-bbbbbbbb")
 	})
-	_ = fmt.Sprint
 }
 
 // A decode request vLLM aborts before its registration went out (the

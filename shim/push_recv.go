@@ -1,5 +1,5 @@
 // Push mode, the decode's side: registering a request's blocks with the
-// prefill and waiting for its WRITE (push_wire.go has the messages).
+// prefill and waiting for its WRITE (shim/kvwire/push.go has the messages).
 //
 // A decode request's blocks are the connector's from update_state_after_alloc
 // until finished_recving; vLLM may reuse them after that. So finished_recving
@@ -36,6 +36,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/shim/kvwire"
 	"github.com/gonixl/gonixl/sidechannel"
 )
@@ -50,6 +51,8 @@ const (
 	// pushProbeMax (a probe prepares the engine's descriptors again).
 	pushProbeEvery = 30.0
 	pushProbeMax   = 600.0
+	// pushHoldWarnAfter: a hold on a gonixl prefill this long is logged.
+	pushHoldWarnAfter = 300.0
 )
 
 type pushWaitState int
@@ -72,15 +75,14 @@ type pushWait struct {
 	got      int
 	// ranks: the prefill agents the registration reached, each true once
 	// it said its last word (or is gone).
-	ranks   map[string]bool
-	gonixl  bool    // the prefill is a gonixl engine (it answers CANCEL)
-	since   float64 // holding since
-	retry   float64 // holding: next CANCEL
-	probe   float64 // holding: next probe handshake
-	every   float64 // holding: the probe interval
-	why     string  // holding: why, for the log
-	warned  bool    // holding on a stock prefill was logged
-	aborted bool    // vLLM finished the request (an abort) while it waited
+	ranks  map[string]bool
+	gonixl bool    // the prefill is a gonixl engine (it answers CANCEL)
+	since  float64 // holding since
+	retry  float64 // holding: next CANCEL
+	probe  float64 // holding: next probe handshake
+	every  float64 // holding: the probe interval
+	why    string  // holding: why, for the log
+	warned bool    // a hold on a stock prefill, or a long one, was logged
 }
 
 // allSaid reports whether every rank the registration reached said its
@@ -233,6 +235,9 @@ func (w *Worker) sendPushCancelLocked(st *recvState) {
 		}
 		if err := w.agent.SendNotif(a, msg); err != nil {
 			w.stats.RecordFailedNotification()
+			if errors.Is(err, nixl.ErrRemoteDiscon) {
+				pw.probe = w.clock() // gone? the next poll's handshake says
+			}
 		}
 	}
 }
@@ -277,6 +282,14 @@ func (w *Worker) pollPushWaitsLocked() {
 				w.log.Warn("push: a failed request's blocks stay held until its stock prefill writes them or is gone (it cannot be told to drop the registration)",
 					zap.String("request_id", st.id), zap.String("remote_engine_id", st.meta.Remote.EngineID),
 					zap.Int("blocks", st.meta.LocalBlockIDs.Count()), zap.String("why", pw.why))
+			} else if pw.gonixl && !pw.warned && now-pw.since >= pushHoldWarnAfter {
+				// A live gonixl prefill answers at once; one that does not
+				// (it cannot reach this decode's side channel, say) keeps
+				// these blocks until it is gone.
+				pw.warned = true
+				w.log.Warn("push: a failed request's blocks are still held: its gonixl prefill has not answered the cancel (can it reach this engine's side channel?); they stay held until it answers or is gone",
+					zap.String("request_id", st.id), zap.String("remote_engine_id", st.meta.Remote.EngineID),
+					zap.Int("blocks", st.meta.LocalBlockIDs.Count()), zap.Float64("held_seconds", now-pw.since), zap.String("why", pw.why))
 			}
 			if now >= pw.retry {
 				w.sendPushCancelLocked(st)
@@ -322,32 +335,7 @@ func (w *Worker) pushAbortedLocked(ids []string) {
 		if st.push.state != pushWaiting {
 			continue
 		}
-		st.push.aborted = true
 		w.holdPushLocked(st, "vLLM finished the request first")
-	}
-}
-
-// pushPeerLostLocked: a transfer or notification to engineID failed with
-// a disconnect. Its waits fail now; their blocks stay held until the probe
-// (started at once) shows the agents gone, or the prefill answers.
-func (w *Worker) pushPeerLostLocked(engineID string) {
-	var st0 *recvState
-	for _, id := range sortedKeys(w.recv) {
-		st := w.recv[id]
-		if st.push == nil || st.push.state != pushWaiting || st.meta.Remote.EngineID != engineID {
-			continue
-		}
-		if !st.failed {
-			w.stats.RecordFailedTransfer()
-			w.failLocked(st, "transfer_failed", fmt.Sprintf("prefill engine %s disconnected before its WRITE", engineID), nil)
-		}
-		w.holdPushLocked(st, "the prefill disconnected")
-		st.push.probe = w.clock() + pushProbeEvery
-		st0 = st
-	}
-	if st0 != nil {
-		rm := st0.meta.Remote
-		w.startHandshakeLocked(rm.EngineID, rm.Host, rm.Port, st0.meta.TPSize, "")
 	}
 }
 

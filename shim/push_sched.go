@@ -12,7 +12,8 @@
 // a step instead. A preemption that does not ask (reset_prefix_cache) is
 // reported by the Python connector (PushPreempted, from the step's
 // preempted request ids) and goes to the workers in the step's metadata,
-// before the forward that could overwrite the blocks (push_send.go).
+// which they take in vLLM's handle_preemptions, before the forward that
+// could overwrite the blocks (push_send.go).
 //
 // A prefill request's states here:
 //

@@ -1,5 +1,6 @@
 // Push mode, the prefill's side: matching a request's blocks with the
-// decode's registration and WRITEing them (push_wire.go has the messages).
+// decode's registration and WRITEing them (shim/kvwire/push.go has the
+// messages).
 //
 // A prefill request's blocks are vLLM's until request_finished, then held
 // for the transfer until finished_sending. An early push (PushEarly: the
@@ -8,9 +9,10 @@
 // another request. The scheduler prevents that while the push is announced
 // (Scheduler.PendingBlockFrees, vLLM's has_pending_block_frees, which vLLM
 // asks before it preempts); a preemption it cannot prevent (vLLM's
-// reset_prefix_cache) reaches this worker as PushPreempted before the
-// forward that could overwrite the blocks, and that start_load_kv drops an
-// unposted WRITE or waits for a posted one (pushPreemptedLocked).
+// reset_prefix_cache, or an announcement gone stale) reaches this worker as
+// PushPreempted in vLLM's handle_preemptions, before the forward that
+// could overwrite the blocks, which drops an unposted WRITE or waits for a
+// posted one (pushPreemptedLocked).
 //
 // A decode's blocks are written only under its registration, once: a
 // registration matched, cancelled or written is consumed (copies dropped).
@@ -29,7 +31,7 @@
 //	handshake,  decode cancels                          unmatched   registration consumed, CANCELLED
 //	computing
 //	any, early  preempted, nothing posted               (removed)   registration back in the pool
-//	writing     preempted                               done        start_load_kv waits for the WRITE before the forward
+//	writing     preempted                               done        handle_preemptions waits for the WRITE, before the forward
 //	writing     every WRITE completed                   done        (the engine's notifications tell the decode)
 //	writing     a WRITE failed or timed out             releasing   each handle released, or retried every second
 //	releasing   every handle released                   done        FAILED to a gonixl decode
@@ -80,7 +82,6 @@ type pushSend struct {
 	// after the announcing step's start_load_kv).
 	early, computed bool
 	since           float64 // when it was announced or finished
-	failed          bool    // a WRITE failed: FAILED follows once every handle is released
 }
 
 // pushSender is a prefill worker's push state.
@@ -200,10 +201,13 @@ func (w *Worker) pushComputedLocked() {
 
 // pushPreemptedLocked takes the early pushes vLLM preempted (it freed
 // their blocks and may give them to a request this step's forward fills).
-// It runs in start_load_kv, before that forward: a push not posted yet is
-// dropped (its registration goes back to the pool, for the recomputed
-// request); a WRITE in flight is waited for, so that it reads the KV the
-// announcing step computed and not the next request's.
+// It runs in handle_preemptions, before that forward (and again, to no
+// effect, in start_load_kv): a push not posted yet is dropped (its
+// registration goes back to the pool, for the recomputed request); a WRITE
+// in flight is waited for, so that it reads the KV the announcing step
+// computed and not the next request's. The wait holds vLLM's model thread,
+// bounded by transfer_timeout (and a second after dropping the engine);
+// past that the WRITE is logged as one that could not be stopped.
 func (w *Worker) pushPreemptedLocked(ids []string) {
 	p := w.push
 	for _, id := range ids {
@@ -249,7 +253,6 @@ func (w *Worker) fencePushLocked(ps *pushSend) {
 				return
 			}
 			dropped = true
-			ps.failed = true
 			if re := w.remotes[ps.reg.DecodeEngineID]; re != nil {
 				w.dropRemoteLocked(re)
 			}
@@ -485,7 +488,6 @@ func pairPush(prefill, decode BlockIDs) (BlockIDs, BlockIDs, error) {
 // gonixl decode is told and the blocks freed. Handles the engine would not
 // release are retried by pollPushSendsLocked.
 func (w *Worker) pushFailedLocked(ps *pushSend) {
-	ps.failed = true
 	kept := ps.xfers[:0]
 	for _, f := range ps.xfers {
 		if err := f.x.Release(); err != nil {
@@ -584,6 +586,7 @@ func (w *Worker) pollPushSendLocked(ps *pushSend) {
 	}
 	kept := ps.xfers[:0]
 	failed := false
+	var failErr error
 	for _, f := range ps.xfers {
 		status, err := f.x.Check()
 		switch {
@@ -604,14 +607,14 @@ func (w *Worker) pollPushSendLocked(ps *pushSend) {
 			w.log.Error("NIXL transfer failure: transfer_failed", zap.String("request_id", ps.id), zap.String("decode_request_id", ps.reg.RequestID),
 				zap.String("decode_engine_id", ps.reg.DecodeEngineID), zap.Error(err))
 			kept = append(kept, f)
-			failed = true
+			failed, failErr = true, err
 		}
 	}
 	ps.xfers = kept
 	if failed {
 		w.pushFailedLocked(ps)
-		if re := w.remotes[ps.reg.DecodeEngineID]; re != nil {
-			w.dropRemoteOnDisconnect(re, errors.New("push WRITE failed"))
+		if re := w.remotes[ps.reg.DecodeEngineID]; re != nil && errors.Is(failErr, nixl.ErrRemoteDiscon) {
+			w.dropRemoteOnDisconnect(re, failErr)
 		}
 		return
 	}
@@ -670,15 +673,17 @@ func (w *Worker) pushCancelLocked(from string, payload []byte) {
 func (w *Worker) sweepPushLocked() {
 	p := w.push
 	now := w.clock()
-	for len(p.regOrder) > 0 {
-		r := p.regs[p.regOrder[0]]
+	// Every one: a registration put back after a preemption keeps its
+	// arrival time but goes to the end of the order.
+	for _, id := range slices.Clone(p.regOrder) {
+		r := p.regs[id]
 		if r != nil && now-r.received < w.cfg.PushRegistrationTimeout {
-			break
+			continue
 		}
 		if r != nil {
 			p.consumed[regKey(r)] = now + w.regMemory()
 		}
-		w.dropRegLocked(p.regOrder[0])
+		w.dropRegLocked(id)
 	}
 	for k, until := range p.consumed {
 		if now >= until {

@@ -32,7 +32,7 @@ type recvState struct {
 	// reshape: the blocks read from an engine of a smaller block size,
 	// reported with finished_recving for the Python side to rearrange.
 	reshape []BlockReshape
-	// push: push mode, the wait for the prefill's WRITE (push.go).
+	// push: push mode, the wait for the prefill's WRITE (push_recv.go).
 	push *pushWait
 }
 
@@ -203,9 +203,17 @@ func (w *Worker) readLocked(st *recvState) {
 			return
 		}
 		if _, err := x.Post(); err != nil {
-			_ = x.Release()
 			w.stats.RecordFailedTransfer()
 			w.failLocked(st, "transfer_failed", fmt.Sprintf("remote tp_rank %d", rr.tp), err)
+			if rerr := x.Release(); rerr != nil {
+				// Part of the READ may be out and still writing: the
+				// handle, and the request's blocks, are held until it
+				// can be released (as for a READ that timed out).
+				now := w.clock()
+				f := &inflight{x: x, posted: now, deadline: now}
+				w.holdStuckLocked(st, f, now, rerr)
+				st.xfers = append(st.xfers, f)
+			}
 			w.dropRemoteOnDisconnect(re, err)
 			return
 		}

@@ -73,7 +73,7 @@ type handshakeState struct {
 	waiting     []string // request ids waiting for this engine
 	pushWaiting []string // push mode, a prefill: request ids whose WRITE waits for this (decode) engine
 	// cancelReplies: push mode, a prefill: decode request ids to tell,
-	// once handshaken, that no WRITE will come (push.go)
+	// once handshaken, that no WRITE will come (push_send.go)
 	cancelReplies []string
 }
 
@@ -431,7 +431,6 @@ func (w *Worker) dropRemoteOnDisconnect(re *remoteEngine, err error) {
 	if w.dropRemoteLocked(re) {
 		w.log.Warn("remote engine disconnected; it will be re-handshaken on next use", zap.String("remote_engine_id", re.id))
 	}
-	w.pushPeerLostLocked(re.id)
 }
 
 // dropRemoteLocked forgets a remote engine (its prepared list and agent),

@@ -12,7 +12,7 @@ import (
 	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
-// pollNotifsLocked drains the engine's notifications (notif.go): a
+// pollNotifsLocked drains the engine's notifications (kvwire/notif.go): a
 // heartbeat extends the leases it names that are still held; a done
 // notification counts one reader, and the request's blocks are released
 // once all its readers are done. One for a request neither held nor in the

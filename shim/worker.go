@@ -108,7 +108,6 @@ type Worker struct {
 	pub         Publisher
 	evictTimer  *time.Timer
 	evictAt     float64
-	pendingFin  []byte
 	leaseExtend float64
 	leaseMargin float64 // leaseMarginFor(kv_lease_duration)
 	panics      atomic.Int64
@@ -303,7 +302,9 @@ func (w *Worker) HandshakePayload() ([]byte, error) {
 
 // StartLoadKV takes one step's metadata: posts READs (handshaking in the
 // background first where needed), updates the prefill-side lease table and
-// sends heartbeats. It never blocks on the network.
+// sends heartbeats. It never waits on the network, but for one rare case:
+// a preempted announced push whose WRITE is in flight, when vLLM did not
+// call handle_preemptions first (pushPreemptedLocked's fence).
 func (w *Worker) StartLoadKV(metaBytes []byte) error {
 	m, err := DecodeStepMeta(metaBytes)
 	if err != nil {

@@ -141,6 +141,13 @@ func (l *Listener) Stop() error {
 
 func (l *Listener) accept() {
 	defer l.wg.Done()
+	defer func() {
+		// A bug here must cost the listener, never the host process; the
+		// scheduler's handshakes then fail (logged), vLLM keeps serving.
+		if p := recover(); p != nil {
+			l.log.Error("side-channel accept loop panicked; handshakes with this engine fail from now on", zap.Any("panic", p), zap.Stack("stack"))
+		}
+	}()
 	for {
 		c, err := l.ln.Accept()
 		if err != nil {

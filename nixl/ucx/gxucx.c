@@ -770,6 +770,9 @@ static int advance(gx_agent *a, gx_ep *e, gx_xfer *x)
             }
             return 1;
         }
+        if (x->pending_err != 0) {
+            return fail(x, x->pending_err); /* the ops of a failed post are done */
+        }
         /* Data and flush are complete: only now may the peer hear of it. */
         if (x->notif_len > 0) {
             ucp_request_param_t p;
@@ -827,6 +830,7 @@ int gx_post(gx_agent *a, gx_ep *e, int op, const gx_iov *iov, size_t n, ucp_rkey
     }
     x->state = GX_X_IDLE;
     x->err = 0;
+    x->pending_err = 0;
     if (e->closed) {
         return fail(x, GX_ERR_EP_CLOSED);
     }
@@ -852,6 +856,20 @@ int gx_post(gx_agent *a, gx_ep *e, int op, const gx_iov *iov, size_t n, ucp_rkey
                            iov[i].raddr, rkeys[iov[i].rkey_idx], &p);
         }
         if (UCS_PTR_IS_ERR(sp)) {
+            if (i > 0) {
+                /* Ops 0..i-1 are out and may still write (GET) or read
+                 * (PUT) local memory: a flush tracks them, and the
+                 * transfer fails only once it completes. */
+                memset(&p, 0, sizeof(p));
+                ucs_status_ptr_t fp = G.ep_flush_nbx(e->ep, &p);
+                if (!UCS_PTR_IS_ERR(fp)) {
+                    x->data_req = last;
+                    x->flush_req = fp;
+                    x->pending_err = UCS_PTR_STATUS(sp);
+                    x->state = GX_X_DATA;
+                    return x->pending_err;
+                }
+            }
             if (last) {
                 G.request_free(last);
             }

@@ -145,6 +145,10 @@ typedef struct gx_xfer {
     size_t notif_len;
     int state;
     int err; /* ucs_status_t (or GX_ERR_*) when state == GX_X_ERR */
+    /* A post that failed after earlier ops of its batch went out: those may
+     * still move bytes, so the transfer stays in its data phase (busy)
+     * until the flush behind them completes, then fails with this. */
+    int pending_err;
 } gx_xfer;
 
 gx_xfer *gx_xfer_new(void);

@@ -387,6 +387,19 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # Host staging (vLLM's use_host_buffer): the scheduler lists the
         # blocks to copy, the worker copies through pinned host mirrors.
         self._staging = _host_staging(vllm_config)
+        extra = ktc.kv_connector_extra_config or {}
+        bidirectional = str(extra.get("bidirectional_kv_xfer", False)).lower() in ("true", "1")
+        if self._staging and bidirectional:
+            # A decode stages only the blocks a prefill computed for it: its
+            # own tokens' KV never reaches the host mirror a later turn
+            # would read back.
+            raise ValueError(
+                "bidirectional_kv_xfer with host staging (kv_buffer_device cpu on a device platform) is not supported"
+            )
+        # A bidirectional prefill reads a turn back into blocks vLLM may
+        # have freed under a step still in flight (vLLM defers frees only on
+        # consumers): on a device, its loads wait for the device first.
+        self._sync_before_load = bidirectional and ktc.kv_role != "kv_consumer"
         self._need_save: dict[str, "Request"] = {}
         self._stage_recv: dict[str, list[int]] = {}
         self._host: Optional[HostStaging] = None
@@ -926,6 +939,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.data:  # b"": an idle step (build_connector_meta)
             # A step with metadata may start work: its get_finished polls.
             self._poll_next = True
+            if self._sync_before_load and self._kv_on_cuda:
+                torch.cuda.synchronize()
             self._work().start_load_kv(meta.data)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
