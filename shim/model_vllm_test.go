@@ -100,7 +100,20 @@ type mReq struct {
 func (r *mReq) numTokens() int { return r.promptLen + r.outputs }
 
 func (r *mReq) String() string {
-	return fmt.Sprintf("%s[%s c=%d/%d b=%v]", r.id, r.status, r.numComputed, r.numTokens(), r.blocks)
+	var flags []string
+	for _, f := range []struct {
+		on   bool
+		name string
+	}{{r.delayFree, "held"}, {r.freed, "freed"}, {r.recvReported, "finished_recving"}, {r.recvFailed, "failed_recving"}} {
+		if f.on {
+			flags = append(flags, f.name)
+		}
+	}
+	fl := ""
+	if len(flags) > 0 {
+		fl = " " + strings.Join(flags, ",")
+	}
+	return fmt.Sprintf("%s[%s%s c=%d/%d b=%v]", r.id, r.status, fl, r.numComputed, r.numTokens(), r.blocks)
 }
 
 // holdsForRecv: a transfer may write r's blocks (vLLM will not use or
@@ -324,6 +337,10 @@ func (e *mEngine) freeAll(r *mReq, why string) {
 }
 
 func (e *mEngine) preempt(r *mReq) {
+	e.r.stats["preempt_"+e.name]++
+	if e.conn.earlySent[r.id] {
+		e.r.stats["preempt_announced"]++
+	}
 	e.freeBlocks(r, "preempted")
 	r.status = stPreempted
 	r.numComputed = 0
