@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/nixl/nixltest"
@@ -79,7 +81,7 @@ var modelOpenFindings = map[string]string{
 	"F6": "a held block set read twice: no second READ with the same params",
 	"N1": "a push's blocks freed at its lease while its WRITE waits for the handshake with the decode: a run stops where the prefill reports such a request finished sending",
 	"N3": "a notify-only entry (a decode request finished before its READ, sent after a handshake) left in the worker once the engine has no request: receiving_requests stays 1 at rest; a run stops there",
-	"N2": "a cancelled push wait gives its blocks back after 2 kv_lease_duration without word from a prefill whose WRITE may still come: no engine stalls that long",
+	"N2": "a cancelled push wait gives its blocks back after 2 kv_lease_duration without word from a prefill whose WRITE may still come (an idle prefill reads no notification): a run stops where the decode logs that it does",
 }
 
 // modelFindingIDs: every finding the model has a gate for, open or fixed.
@@ -305,6 +307,7 @@ type mRun struct {
 	gates     []*hsGate
 
 	xinfo       map[uint64]*xInfo
+	gaveBack    map[string]bool // decode requests given back without word (N2)
 	nextConv    int
 	convs       []*mConv
 	pendingPull []*mReq // decode requests the proxy will send once it has their prefill's params
@@ -351,7 +354,7 @@ type xInfo struct {
 var modelCurrent atomic.Pointer[mRun]
 
 func runModel(tb testing.TB, seed int64, allow map[string]bool) (res mResult) {
-	r := &mRun{tb: tb, seed: seed, rng: rand.New(rand.NewSource(seed)), allow: allow, xinfo: map[uint64]*xInfo{},
+	r := &mRun{tb: tb, seed: seed, rng: rand.New(rand.NewSource(seed)), allow: allow, xinfo: map[uint64]*xInfo{}, gaveBack: map[string]bool{},
 		byAgent: map[string]*mEngine{}, stats: map[string]int{}}
 	r.cfg = r.drawConfig()
 	defer func() {
@@ -474,7 +477,10 @@ func (r *mRun) newEngine(name, kvRole, id string, blocks int, async, recompute b
 	if err != nil {
 		tb.Fatal(err)
 	}
-	s.log, w.log = zap.NewNop(), zap.NewNop()
+	s.log = zap.NewNop()
+	core, logs := observer.New(zapcore.WarnLevel)
+	w.log = zap.New(core)
+	e.logs = logs
 	e.sched, e.work = s, w
 	e.mem = newModelMem(tb, blocks)
 	r.eng.SetScript(nixltest.Script{Polls: polls, RefuseReleaseInFlight: refuse})
@@ -534,6 +540,35 @@ func (r *mRun) sentBeforeWrite(e *mEngine, id string) bool {
 	return ps != nil && ps.reg != nil && (ps.waitHS || len(ps.xfers) > 0)
 }
 
+// noteGaveBack records finding N2, seen in the decode worker's log: a
+// cancelled push wait whose blocks went back to vLLM after its hold ended
+// without an answer from the prefill (push.go pollPushWaitsLocked), while
+// the prefill may still match its registration and WRITE (an idle prefill
+// engine reads no notification: vLLM does not step it).
+func (r *mRun) noteGaveBack(e *mEngine) {
+	for _, en := range e.logs.TakeAll() {
+		if en.Message != "push: giving a timed-out request's blocks back to vLLM without word from the prefill" {
+			continue
+		}
+		id, _ := en.ContextMap()["request_id"].(string)
+		r.gaveBack[id] = true
+		r.stats["n2_gave_back"]++
+		r.tracef("  %s gave %s's blocks back without word from the prefill (finding N2)", e.name, id)
+	}
+}
+
+// openN2 reports whether a violation on the blocks of decode request id is
+// finding N2's (they went back without word), and stops the run there if
+// N2 is not drawn.
+func (r *mRun) openN2(id string) bool {
+	if !r.gaveBack[id] || r.allow["N2"] {
+		return false
+	}
+	r.tracef("  a WRITE reaches %s, whose blocks went back without word: open finding N2, the run stops", id)
+	r.skipped = "N2"
+	return true
+}
+
 // notifyOnlyLeft counts finding N3 in the decode worker's own state
 // (recv.go's recvState): entries of requests vLLM finished before their
 // READ (a notify-only message to the prefill) that were sent after a
@@ -554,6 +589,10 @@ func notifyOnlyLeft(w *Worker) int {
 // violate records the run's first violation (class: what broke).
 func (r *mRun) violate(class, format string, args ...any) {
 	msg := fmt.Sprintf("[%s] %s", class, fmt.Sprintf(format, args...))
+	if r.skipped != "" {
+		r.tracef("  (after open finding %s) %s", r.skipped, msg)
+		return
+	}
 	r.tracef("  VIOLATION %s", msg)
 	if r.violation == "" {
 		r.violation = fmt.Sprintf("t=%.1f %s", r.clock.Now(), msg)
@@ -847,7 +886,7 @@ func (r *mRun) info(id uint64, op nixl.XferOp, initiator, target string, local, 
 	x.destReq, x.srcReq = ownerOf(x.dest, db), ownerOf(x.src, sb)
 	r.stats[fmt.Sprintf("xfer_%v", op)]++
 	r.tracef("  transfer %d %v by %s: dest %s%v (%s) src %s%v (%s) notif %q", id, op, ie.name, x.dest.name, db, x.destReq, x.src.name, sb, x.srcReq, notif)
-	if !x.dest.dead {
+	if !x.dest.dead && !(op == nixl.Write && r.openN2(x.notifID)) {
 		dr := x.dest.reqs[x.destReq]
 		switch {
 		case dr == nil:
@@ -896,6 +935,9 @@ func (r *mRun) checkBlocks(x *xInfo, local, remote []nixl.Desc, moving bool) {
 			o := x.dest.owner[b]
 			dr := x.dest.reqs[o]
 			if o != x.destReq || dr == nil || !dr.holdsForRecv() {
+				if x.op == nixl.Write && r.openN2(x.notifID) {
+					return
+				}
 				why := "free"
 				if dr != nil {
 					why = dr.String()
@@ -1296,13 +1338,7 @@ func (r *mRun) stall() {
 	if r.clock.Now() < e.stallUntil+5 {
 		return // stalls do not chain: the engine steps between them
 	}
-	limit := 40.0
-	if !r.allow["N2"] {
-		// Short of the decode's hold after a cancel (2 kv_lease_duration)
-		// less a WRITE's transfer_timeout.
-		limit = 2*mLease - mXferTimeout - 8
-	}
-	d := 1 + r.rng.Float64()*(limit-1)
+	d := 1 + r.rng.Float64()*19
 	e.stallUntil = r.clock.Now() + d
 	r.tracef("  %s stalls for %.1fs", e.name, d)
 }

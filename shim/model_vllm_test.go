@@ -8,6 +8,8 @@ import (
 	"slices"
 	"sort"
 	"strings"
+
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // The model test's vLLM: one engine per side, a small, faithful copy of
@@ -173,6 +175,7 @@ type mEngine struct {
 	sched *Scheduler
 	work  *Worker
 	conn  *pyConn
+	logs  *observer.ObservedLogs // the worker's warnings
 	mem   *modelMem
 	agent string
 	port  int
@@ -545,6 +548,7 @@ func (e *mEngine) exec(b *mBatch) {
 		e.startLoad(b)
 	}
 	b.fin, b.invalid = e.conn.getFinished()
+	e.r.noteGaveBack(e)
 	e.r.tracef("  %s: exec #%d finished sending=%v recving=%v failed=%v invalid=%v", e.name, b.seq, b.fin.Sending, b.fin.Recving, b.fin.Failed, b.invalid)
 }
 
