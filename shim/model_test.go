@@ -79,13 +79,14 @@ var modelOpenFindings = map[string]string{
 	"F3": "engine_ttl eviction ending a push wait: engine_ttl is off in push mode",
 	"F5": "a duplicate registration consumed twice: no PUSH_REG copy is injected",
 	"F6": "a held block set read twice: no second READ with the same params",
+	"F4": "bidirectional: the decode advertises KV of a step still in flight (num_computed_tokens under async scheduling): an async bidirectional decode never stops on an end-of-sequence token",
 	"N1": "a push's blocks freed at its lease while its WRITE waits for the handshake with the decode: a run stops where the prefill reports such a request finished sending",
 	"N3": "a notify-only entry (a decode request finished before its READ, sent after a handshake) left in the worker once the engine has no request: receiving_requests stays 1 at rest; a run stops there",
 	"N2": "a cancelled push wait gives its blocks back after 2 kv_lease_duration without word from a prefill whose WRITE may still come (an idle prefill reads no notification): a run stops where the decode logs that it does",
 }
 
 // modelFindingIDs: every finding the model has a gate for, open or fixed.
-var modelFindingIDs = []string{"F1", "F2", "F3", "F5", "F6", "N1", "N2", "N3"}
+var modelFindingIDs = []string{"F1", "F2", "F3", "F4", "F5", "F6", "N1", "N2", "N3"}
 
 // modelFindingSeeds are seeds that reproduced each finding on the code
 // before its fix, each run with only that finding's events drawn (and
@@ -244,7 +245,11 @@ type mConfig struct {
 	refuseP        bool // the prefill's agent refuses releases in flight (ucx)
 	refuseD        bool
 	engineTTL      float64
-	events         int
+	// bidi: bidirectional_kv_xfer (pull only): a finished decode holds its
+	// blocks for decoder_kv_blocks_ttl and the next turn's prefill reads
+	// them back.
+	bidi   bool
+	events int
 }
 
 func (c mConfig) String() string {
@@ -255,9 +260,10 @@ func (c mConfig) String() string {
 		PollsP, PollsD                       int
 		RefuseReleaseP, RefuseReleaseD       bool
 		EngineTTL                            float64
+		Bidirectional                        bool
 		Events                               int
 	}{c.push, c.asyncP, c.asyncD, c.recompute, c.blocksP, c.blocksD, c.budget, c.maxRunning, c.loadFirst, c.netDelay, c.hsDelay,
-		c.pollsP, c.pollsD, c.refuseP, c.refuseD, c.engineTTL, c.events})
+		c.pollsP, c.pollsD, c.refuseP, c.refuseD, c.engineTTL, c.bidi, c.events})
 }
 
 // Timeouts of both engines (seconds on the injected clock).
@@ -265,6 +271,7 @@ const (
 	mLease       = 12.0 // kv_lease_duration: heartbeats every 2 s, extended by 8 s, 3 s safety margin
 	mXferTimeout = 6.0  // transfer_timeout
 	mPushTimeout = 10.0 // push_registration_timeout
+	mDecodeTTL   = 20.0 // decoder_kv_blocks_ttl (bidirectional)
 	// mBound: a request ends, and its blocks are back, within this of its
 	// arrival (the longest chain: a handshake, a push wait to its timeout,
 	// a cancel held two leases, a transfer to its timeout; with slack for
@@ -312,6 +319,7 @@ type mRun struct {
 	convs       []*mConv
 	pendingPull []*mReq // decode requests the proxy will send once it has their prefill's params
 	pendingPush []*mReq // halves of push pairs not yet sent
+	pendingTurn []*mReq // bidirectional: next turns' prefill requests, with their decode's params
 	decodes     []*mReq // decode requests sent (pull), for a retried READ
 	all         []*mReq
 	killed      bool
@@ -393,6 +401,7 @@ func (r *mRun) drawConfig() mConfig {
 		engineTTL:  []float64{0, 8, 30}[rng.Intn(3)],
 		events:     150 + rng.Intn(250),
 	}
+	c.bidi = !c.push && rng.Intn(2) == 0
 	if c.push && !r.allow["F1"] {
 		c.refuseP = false
 	}
@@ -452,6 +461,7 @@ func (r *mRun) newEngine(name, kvRole, id string, blocks int, async, recompute b
 			"kv_connector_extra_config": map[string]any{
 				"kv_lease_duration": mLease, "transfer_timeout": mXferTimeout, "push_registration_timeout": mPushTimeout,
 				"engine_ttl": r.cfg.engineTTL, "handshake_timeout": 2, "kv_recompute_threshold": 0,
+				"bidirectional_kv_xfer": r.cfg.bidi, "decoder_kv_blocks_ttl": mDecodeTTL,
 			},
 			"compat_factors": map[string]any{"model": "tiny", "dtype": "torch.float32", "num_kv_heads": tHeads},
 		}
@@ -478,6 +488,7 @@ func (r *mRun) newEngine(name, kvRole, id string, blocks int, async, recompute b
 		tb.Fatal(err)
 	}
 	s.log = zap.NewNop()
+	s.wall = func() float64 { return 1.7e9 + r.clock.Now() } // gonixl_expiry_unix on the injected clock
 	core, logs := observer.New(zapcore.WarnLevel)
 	w.log = zap.New(core)
 	e.logs = logs
@@ -1008,7 +1019,7 @@ func (r *mRun) checkLive() {
 // its prompt's KV in every block received.
 func (r *mRun) checkReceived(q *mReq) {
 	e := q.e
-	r.stats["received"]++
+	r.stats["received_"+e.name]++
 	for _, x := range r.xinfo {
 		if x.dest == e && x.destReq == q.id && x.staleSrc {
 			r.violate("c", "%s is reported received, but transfer %d read its KV from blocks of %s after they were released", q, x.id, x.src.name)
@@ -1107,7 +1118,7 @@ func (r *mRun) event(i int) {
 	if n := r.mayMove(); len(n) > 0 {
 		add(3, "settle", func() { r.settle(n[r.rng.Intn(len(n))], r.rng.Intn(5) != 0) })
 	}
-	if len(r.pendingPull)+len(r.pendingPush) > 0 && !r.P.dead && !r.D.dead {
+	if len(r.pendingPull)+len(r.pendingPush)+len(r.pendingTurn) > 0 && !r.P.dead && !r.D.dead {
 		add(5, "proxy", r.proxySend)
 	}
 	if r.allow["F5"] && copies > 0 && r.cfg.push && !r.P.dead {
@@ -1138,13 +1149,18 @@ func (r *mRun) event(i int) {
 
 func hex8(rng *rand.Rand) string { return fmt.Sprintf("%08x", rng.Uint32()) }
 
+// maxModelLen: vLLM starts only if one request of max_model_len tokens fits
+// in the KV pool; both engines' here.
+func (r *mRun) maxModelLen() int { return min(r.cfg.blocksP, r.cfg.blocksD) * tBlockSize }
+
 func (r *mRun) newReq(id string, prompt []int, maxTokens int, params map[string]any) *mReq {
+	maxTokens = max(1, min(maxTokens, r.maxModelLen()-len(prompt)))
 	all := append([]int(nil), prompt...)
 	for i := 0; i < maxTokens; i++ {
 		all = append(all, r.rng.Intn(1000))
 	}
 	eos := -1
-	if maxTokens > 1 && r.rng.Intn(3) == 0 {
+	if maxTokens > 1 && r.rng.Intn(3) == 0 && (r.allow["F4"] || !r.cfg.bidi || !r.cfg.asyncD) {
 		eos = r.rng.Intn(maxTokens)
 	}
 	q := &mReq{id: id, all: all, kvHash: kvHashes(all), promptLen: len(prompt), maxTokens: maxTokens, eosAt: eos, params: params}
@@ -1214,8 +1230,31 @@ func (r *mRun) localRequest() {
 	e.addRequest(q)
 }
 
-// prefillOutput: a finished request's kv_transfer_params reach the proxy.
-func (r *mRun) prefillOutput(q *mReq, params map[string]any) {
+// output: a finished request's kv_transfer_params reach the proxy: a
+// prefill's go to its decode; with bidirectional transfer a decode's go to
+// the conversation's next turn (the proxy caches them per conversation).
+func (r *mRun) output(q *mReq, params map[string]any) {
+	if q.e == r.D && r.cfg.bidi && q.conv != nil && truthy(params["do_remote_decode"]) {
+		if r.rng.Intn(4) == 0 {
+			r.tracef("  the conversation of %s has no next turn", q.id)
+			return
+		}
+		prompt := append([]int(nil), q.all[:q.numTokens()]...)
+		for i := 1 + r.rng.Intn(6); i > 0; i-- {
+			prompt = append(prompt, r.rng.Intn(1000))
+		}
+		if len(prompt)+4 > r.maxModelLen() {
+			r.tracef("  the conversation of %s is at max_model_len", q.id)
+			return
+		}
+		r.nextConv++
+		c := &mConv{base: fmt.Sprintf("cmpl-%d-0", r.nextConv), prompt: prompt}
+		r.convs = append(r.convs, c)
+		pre := r.newReq(c.base+"-"+hex8(r.rng), prompt, 1, params)
+		pre.conv, c.pre = c, pre
+		r.pendingTurn = append(r.pendingTurn, pre)
+		return
+	}
 	if q.e != r.P || r.cfg.push || q.conv == nil || !truthy(params["do_remote_prefill"]) {
 		return
 	}
@@ -1230,6 +1269,14 @@ func (r *mRun) prefillOutput(q *mReq, params map[string]any) {
 }
 
 func (r *mRun) proxySend() {
+	if len(r.pendingTurn) > 0 && r.rng.Intn(3) == 0 {
+		k := r.rng.Intn(len(r.pendingTurn))
+		q := r.pendingTurn[k]
+		r.pendingTurn = append(r.pendingTurn[:k], r.pendingTurn[k+1:]...)
+		r.stats["turns"]++
+		r.P.addRequest(q)
+		return
+	}
 	if len(r.pendingPull) > 0 && (len(r.pendingPush) == 0 || r.rng.Intn(2) == 0) {
 		k := r.rng.Intn(len(r.pendingPull))
 		q := r.pendingPull[k]
@@ -1450,7 +1497,7 @@ func (r *mRun) kill() {
 		a.Kill()
 	}
 	_ = e.sched.Close()
-	r.pendingPull, r.pendingPush = nil, nil
+	r.pendingPull, r.pendingPush, r.pendingTurn = nil, nil, nil
 }
 
 // checkAges: no request outlives mBound without ending.
@@ -1472,7 +1519,7 @@ func (r *mRun) checkAges() {
 // request must end and every block come back.
 func (r *mRun) drain() {
 	r.tracef("drain t=%.1f", r.clock.Now())
-	r.pendingPull, r.pendingPush = nil, nil
+	r.pendingPull, r.pendingPush, r.pendingTurn = nil, nil, nil
 	start := r.clock.Now()
 	for round := 0; ; round++ {
 		r.releaseGates(-1)

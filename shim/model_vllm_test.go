@@ -328,7 +328,7 @@ func (e *mEngine) freeRequest(r *mReq, delay bool) {
 		e.freeAll(r, "finished")
 	}
 	if out != nil {
-		e.r.prefillOutput(r, out)
+		e.r.output(r, out)
 	}
 }
 
@@ -875,8 +875,55 @@ func (c *pyConn) checkPromptDigest(r *mReq) {
 	c.e.r.tracef("  %s: %s prompt digest mismatch: computing locally", c.e.name, r.id)
 }
 
+const (
+	readbackDigestKey = "gonixl_token_digest"
+	readbackTokensKey = "gonixl_readback_tokens"
+)
+
+// tokenDigest stands for digest.py's token_digest: what the decode's blocks
+// hold (the first n tokens), None when n is not in 1..len(tokens).
+func tokenDigest(tokens []int, n int) (map[string]any, bool) {
+	d, ok := promptDigest(tokens, n)
+	if !ok {
+		return nil, false
+	}
+	return map[string]any{"v": 1, "n": n, "final": d}, true
+}
+
+// matchedTokens stands for digest.py's matched_tokens with prompts shorter
+// than its checkpoint step (256 tokens): all n tokens, or none.
+func matchedTokens(digest any, tokens []int) int {
+	m, ok := digest.(map[string]any)
+	if !ok {
+		return 0
+	}
+	n, ok := asInt(m["n"])
+	if !ok {
+		return 0
+	}
+	if d, ok := promptDigest(tokens, n); ok && d == m["final"] {
+		return n
+	}
+	return 0
+}
+
+// checkReadbackDigest is _check_readback_digest.
+func (c *pyConn) checkReadbackDigest(r *mReq) {
+	p := r.params
+	if p == nil || !truthy(p["do_remote_decode"]) || truthy(p["_remote_blocks_processed"]) {
+		return
+	}
+	digest, ok := p[readbackDigestKey]
+	if !ok {
+		return
+	}
+	delete(p, readbackDigestKey)
+	p[readbackTokensKey] = matchedTokens(digest, c.prompt(r))
+}
+
 func (c *pyConn) onNewRequest(r *mReq) {
 	c.checkPromptDigest(r)
+	c.checkReadbackDigest(r)
 	if len(r.params) == 0 {
 		return
 	}
@@ -886,6 +933,7 @@ func (c *pyConn) onNewRequest(r *mReq) {
 
 func (c *pyConn) getNumNewMatchedTokens(r *mReq, computed int) (int, bool) {
 	c.checkPromptDigest(r)
+	c.checkReadbackDigest(r)
 	if len(r.params) == 0 {
 		return 0, false
 	}
@@ -1051,6 +1099,11 @@ func (c *pyConn) requestFinished(r *mReq, ids BlockIDs) (bool, map[string]any) {
 		n, _ := asInt(params["remote_num_tokens"])
 		if d, ok := promptDigest(c.prompt(r), n); ok {
 			params[promptDigestKey] = d
+		}
+	} else if params != nil && truthy(params["do_remote_decode"]) && truthy(params["remote_block_ids"]) {
+		n, _ := asInt(params["remote_num_tokens"])
+		if d, ok := tokenDigest(r.all[:r.numTokens()], n); ok {
+			params[readbackDigestKey] = d
 		}
 	}
 	return delay, params

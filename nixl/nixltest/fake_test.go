@@ -231,7 +231,7 @@ func TestObserveAndSettle(t *testing.T) {
 		t.Fatal(err)
 	}
 	xs = e.Transfers()
-	if len(xs) != 1 || !xs[0].Posted || xs[0].Status != nixl.InProgress || len(xs[0].Local) != 1 || xs[0].Local[0].Len != 4096 || string(xs[0].Notif) != "n1" {
+	if len(xs) != 1 || !xs[0].Posted || !xs[0].MayMove || xs[0].Status != nixl.InProgress || len(xs[0].Local) != 1 || xs[0].Local[0].Len != 4096 || string(xs[0].Notif) != "n1" {
 		t.Fatalf("after Post: %+v", xs)
 	}
 	if !e.Settle(id, true) {
@@ -307,7 +307,7 @@ func TestRefuseReleaseInFlight(t *testing.T) {
 	if err := x.Release(); !errors.Is(err, nixl.ErrRepostActive) {
 		t.Fatalf("release in flight: %v", err)
 	}
-	if xs := e.Transfers(); len(xs) != 1 || xs[0].Refused != 1 {
+	if xs := e.Transfers(); len(xs) != 1 || xs[0].Refused != 1 || !xs[0].MayMove {
 		t.Fatalf("after a refused release: %+v", xs)
 	}
 	p.mem[0] = 42

@@ -42,6 +42,10 @@ type XferState struct {
 	Notif  []byte
 	// Refused counts the releases the engine refused.
 	Refused int
+	// MayMove: its operations were issued and have neither completed nor
+	// been cancelled (initiator and peer alive, the peer's metadata not
+	// invalidated): bytes may still move, with or without a poll (Settle).
+	MayMove bool
 }
 
 // SetMoveHook sets fn to be called whenever a transfer moves bytes, just
@@ -85,6 +89,7 @@ func (e *Engine) Transfers() []XferState {
 			ID: x.id, Op: x.op, Initiator: x.a.cfg.Name, Target: x.remote.agent,
 			Dead: x.a.dead || x.a.closed, Posted: x.posted, Status: x.status,
 			Local: mv.Local, Remote: mv.Remote, Notif: bytes.Clone(x.notif), Refused: x.refused,
+			MayMove: x.posted && x.started && x.status != nixl.Success && !x.a.dead && !x.a.closed && x.peerLocked() != nil,
 		})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
