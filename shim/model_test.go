@@ -80,13 +80,14 @@ var modelOpenFindings = map[string]string{
 	"F5": "a duplicate registration consumed twice: no PUSH_REG copy is injected",
 	"F6": "a held block set read twice: no second READ with the same params",
 	"F4": "bidirectional: the decode advertises KV of a step still in flight (num_computed_tokens under async scheduling): an async bidirectional decode never stops on an end-of-sequence token",
+	"S2": "issue 30 item 5's TestSchedulerAsyncImpliesRead, reached by preempting a prefill that read a conversation back: it asks for the decode's KV again and waits for ever; a run stops there",
 	"N1": "a push's blocks freed at its lease while its WRITE waits for the handshake with the decode: a run stops where the prefill reports such a request finished sending",
 	"N3": "a notify-only entry (a decode request finished before its READ, sent after a handshake) left in the worker once the engine has no request: receiving_requests stays 1 at rest; a run stops there",
 	"N2": "a cancelled push wait gives its blocks back after 2 kv_lease_duration without word from a prefill whose WRITE may still come (an idle prefill reads no notification): a run stops where the decode logs that it does",
 }
 
 // modelFindingIDs: every finding the model has a gate for, open or fixed.
-var modelFindingIDs = []string{"F1", "F2", "F3", "F4", "F5", "F6", "N1", "N2", "N3"}
+var modelFindingIDs = []string{"F1", "F2", "F3", "F4", "F5", "F6", "S2", "N1", "N2", "N3"}
 
 // modelFindingSeeds are seeds that reproduced each finding on the code
 // before its fix, each run with only that finding's events drawn (and
@@ -118,8 +119,12 @@ func TestModelOwnership(t *testing.T) {
 			continue
 		}
 		failed++
+		keep := 600
+		if runs == 1 {
+			keep = len(res.trace)
+		}
 		t.Errorf("model violation, seed %d (GONIXL_MODEL_SEED=%d GONIXL_MODEL_RUNS=1 GONIXL_MODEL_FINDINGS=%s go test ./shim -run TestModelOwnership -v):\n%s\nconfig: %s\ntrace (last %d of %d lines):\n%s",
-			seed, seed, findingsEnv(allow), res.violation, res.cfg, min(len(res.trace), 600), len(res.trace), strings.Join(tail(res.trace, 600), "\n"))
+			seed, seed, findingsEnv(allow), res.violation, res.cfg, min(len(res.trace), keep), len(res.trace), strings.Join(tail(res.trace, keep), "\n"))
 		if !keepGoing {
 			break
 		}
@@ -578,6 +583,19 @@ func (r *mRun) openN2(id string) bool {
 	r.tracef("  a WRITE reaches %s, whose blocks went back without word: open finding N2, the run stops", id)
 	r.skipped = "N2"
 	return true
+}
+
+// readQueued tells finding S2 in the scheduler's own state (scheduler.go):
+// whether update_state_after_alloc queued a READ for a request that
+// get_num_new_matched_tokens told vLLM to load asynchronously. A prefill
+// request that read a conversation back and was preempted asks again: its
+// params still name the decode's blocks (do_remote_decode), but
+// _remote_blocks_processed stops the READ, and it waits in
+// WAITING_FOR_REMOTE_KVS for ever (vLLM's own pull scheduler does the same).
+func (r *mRun) readQueued(e *mEngine, id string) bool {
+	e.sched.mu.Lock()
+	defer e.sched.mu.Unlock()
+	return e.sched.reqsNeedRecv[id] != nil
 }
 
 // notifyOnlyLeft counts finding N3 in the decode worker's own state

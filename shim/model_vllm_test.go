@@ -468,6 +468,10 @@ func (e *mEngine) schedule() *mBatch {
 				break
 			}
 			e.conn.updateStateAfterAlloc(r, ext)
+			if loadAsync && !e.r.allow["S2"] && !e.r.readQueued(e, r.id) {
+				e.r.tracef("  %s: %s waits for %d remote tokens that nothing will load: open finding S2, the run stops", e.name, r.id, ext)
+				e.r.skipped = "S2"
+			}
 			if loadAsync {
 				r.status = stWaitingRemote
 				r.numComputed = computed
