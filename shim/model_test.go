@@ -249,7 +249,10 @@ type mConfig struct {
 	pollsP, pollsD int
 	refuseP        bool // the prefill's agent refuses releases in flight (ucx)
 	refuseD        bool
-	engineTTL      float64
+	// survives: operations in flight survive InvalidateRemote (an engine
+	// that cannot cancel them; the ucx engine's are cancelled).
+	survives  bool
+	engineTTL float64
 	// bidi: bidirectional_kv_xfer (pull only): a finished decode holds its
 	// blocks for decoder_kv_blocks_ttl and the next turn's prefill reads
 	// them back.
@@ -264,11 +267,12 @@ func (c mConfig) String() string {
 		LoadFirst, NetDelay, HandshakeDelay  bool
 		PollsP, PollsD                       int
 		RefuseReleaseP, RefuseReleaseD       bool
+		InFlightSurvivesInvalidate           bool
 		EngineTTL                            float64
 		Bidirectional                        bool
 		Events                               int
 	}{c.push, c.asyncP, c.asyncD, c.recompute, c.blocksP, c.blocksD, c.budget, c.maxRunning, c.loadFirst, c.netDelay, c.hsDelay,
-		c.pollsP, c.pollsD, c.refuseP, c.refuseD, c.engineTTL, c.bidi, c.events})
+		c.pollsP, c.pollsD, c.refuseP, c.refuseD, c.survives, c.engineTTL, c.bidi, c.events})
 }
 
 // Timeouts of both engines (seconds on the injected clock).
@@ -403,6 +407,7 @@ func (r *mRun) drawConfig() mConfig {
 		pollsD:     []int{-1, 0, 1, 3, 1000}[rng.Intn(5)],
 		refuseP:    rng.Intn(2) == 0,
 		refuseD:    rng.Intn(2) == 0,
+		survives:   rng.Intn(2) == 0,
 		engineTTL:  []float64{0, 8, 30}[rng.Intn(3)],
 		events:     150 + rng.Intn(250),
 	}
@@ -499,7 +504,7 @@ func (r *mRun) newEngine(name, kvRole, id string, blocks int, async, recompute b
 	e.logs = logs
 	e.sched, e.work = s, w
 	e.mem = newModelMem(tb, blocks)
-	r.eng.SetScript(nixltest.Script{Polls: polls, RefuseReleaseInFlight: refuse})
+	r.eng.SetScript(nixltest.Script{Polls: polls, RefuseReleaseInFlight: refuse, InFlightSurvivesInvalidate: r.cfg.survives})
 	w.engineOverride = r.eng
 	if err := w.RegisterKVCaches(e.mem.init()); err != nil {
 		tb.Fatal(err)

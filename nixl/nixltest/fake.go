@@ -63,6 +63,11 @@ type Script struct {
 	// once the peer is dead or its metadata was invalidated (which cancels
 	// the operations) the release succeeds.
 	RefuseReleaseInFlight bool
+	// InFlightSurvivesInvalidate: operations already issued keep going
+	// when the peer's metadata is invalidated (an engine that cannot
+	// cancel them at all): with RefuseReleaseInFlight, the release is
+	// refused until the transfer completes, fails, or its peer dies.
+	InFlightSurvivesInvalidate bool
 }
 
 // Call is one recorded API call.
@@ -591,8 +596,9 @@ type xfer struct {
 	start    time.Time
 	postDur  time.Duration
 	xferDur  time.Duration
-	refused  int  // releases refused (Script.RefuseReleaseInFlight, a scripted ReleaseXfer failure)
-	started  bool // its operations were issued (a Post that did not fail)
+	refused  int    // releases refused (Script.RefuseReleaseInFlight, a scripted ReleaseXfer failure)
+	started  bool   // its operations were issued (a Post that did not fail)
+	peer     *Agent // the agent its operations target, from Post
 }
 
 func (x *xfer) stale(op string) error {
@@ -628,7 +634,7 @@ func (x *xfer) Post() (nixl.Status, error) {
 		delete(a.remotes, x.remote.agent) // NIXL invalidates the remote on disconnect
 		return x.status, nixl.Errorf(nixl.ErrRemoteDiscon, "Post", "agent %q disconnected", x.remote.agent)
 	}
-	x.status, x.started = nixl.InProgress, true
+	x.status, x.started, x.peer = nixl.InProgress, true, ri.agent
 	if a.script.Polls < 0 {
 		x.complete(ri.agent)
 	}

@@ -374,3 +374,34 @@ func TestSettleAfterFailure(t *testing.T) {
 		t.Fatalf("FailNext fails once: %v", err)
 	}
 }
+
+// With InFlightSurvivesInvalidate, invalidating the peer cancels nothing:
+// the release stays refused and the bytes may still land.
+func TestInFlightSurvivesInvalidate(t *testing.T) {
+	e := nixltest.NewEngine("survives")
+	p := newPair(t, e, nixltest.Script{Polls: 1000, RefuseReleaseInFlight: true, InFlightSurvivesInvalidate: true})
+	x, err := p.a.MakeXfer(nixl.Write, p.local, []int32{0}, p.remot, []int32{0}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := x.Post(); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.a.InvalidateRemote(p.b.Name()); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.Release(); !errors.Is(err, nixl.ErrRepostActive) {
+		t.Fatalf("release after invalidation: %v", err)
+	}
+	xs := e.Transfers()
+	if len(xs) != 1 || !xs[0].MayMove {
+		t.Fatalf("after invalidation: %+v", xs)
+	}
+	p.mem[0] = 44
+	if !e.Settle(xs[0].ID, true) || p.mem[4096] != 44 {
+		t.Fatal("the transfer did not land after its peer was invalidated")
+	}
+	if err := x.Release(); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -136,8 +136,15 @@ func (e *Engine) Settle(id uint64, move bool) bool {
 }
 
 // peerLocked is the live agent at the far end of x, or nil when it died,
-// closed, or its metadata was invalidated or reloaded since x was made.
+// closed, or (unless the script says operations survive it) its metadata
+// was invalidated or reloaded since x was made.
 func (x *xfer) peerLocked() *Agent {
+	if x.a.script.InFlightSurvivesInvalidate && x.peer != nil {
+		if x.peer.dead || x.peer.closed {
+			return nil
+		}
+		return x.peer
+	}
 	ri := x.a.remotes[x.remote.agent]
 	if ri == nil || ri.gen != x.gen || ri.agent.dead || ri.agent.closed {
 		return nil
