@@ -83,11 +83,12 @@ var modelOpenFindings = map[string]string{
 	"S2": "issue 30 item 5's TestSchedulerAsyncImpliesRead, reached by preempting a prefill that read a conversation back: it asks for the decode's KV again and waits for ever; a run stops there",
 	"N1": "a push's blocks freed at its lease while its WRITE waits for the handshake with the decode: a run stops where the prefill reports such a request finished sending",
 	"N3": "a notify-only entry (a decode request finished before its READ, sent after a handshake) left in the worker once the engine has no request: receiving_requests stays 1 at rest; a run stops there",
+	"N4": "a prefill whose GetNotifs fails still sweeps its leases: a lease a queued heartbeat would have extended ends, its blocks are freed, and the decode (its lease floor raised by that heartbeat) READs them: no GetNotifs failure is injected on the prefill",
 	"N2": "a cancelled push wait gives its blocks back after 2 kv_lease_duration without word from a prefill whose WRITE may still come (an idle prefill reads no notification): a run stops where the decode logs that it does",
 }
 
 // modelFindingIDs: every finding the model has a gate for, open or fixed.
-var modelFindingIDs = []string{"F1", "F2", "F3", "F4", "F5", "F6", "S2", "N1", "N2", "N3"}
+var modelFindingIDs = []string{"F1", "F2", "F3", "F4", "F5", "F6", "S2", "N1", "N2", "N3", "N4"}
 
 // modelFindingSeeds are seeds that reproduced each finding on the code
 // before its fix, each run with only that finding's events drawn (and
@@ -1501,6 +1502,9 @@ func (r *mRun) fault() {
 	step := steps[r.rng.Intn(len(steps))]
 	if step == nixltest.StepReleaseXfer && e == r.P && r.cfg.push && !r.allow["F1"] {
 		step = nixltest.StepPost
+	}
+	if step == nixltest.StepGetNotifs && e == r.P && !r.allow["N4"] {
+		step = nixltest.StepCheck
 	}
 	st := []nixl.Status{nixl.ErrBackend, nixl.ErrRemoteDiscon}[r.rng.Intn(2)]
 	r.tracef("  %s's next %s fails with %v", e.name, step, st)
