@@ -1293,7 +1293,7 @@ func (r *mRun) output(q *mReq, params map[string]any) {
 }
 
 func (r *mRun) proxySend() {
-	if len(r.pendingTurn) > 0 && r.rng.Intn(3) == 0 {
+	if len(r.pendingTurn) > 0 && (r.allow["F4"] || r.rng.Intn(3) == 0) {
 		k := r.rng.Intn(len(r.pendingTurn))
 		q := r.pendingTurn[k]
 		r.pendingTurn = append(r.pendingTurn[:k], r.pendingTurn[k+1:]...)
