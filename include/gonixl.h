@@ -151,14 +151,30 @@ gonixl_status_t gonixl_scheduler_request_finished(gonixl_scheduler_t h,
  * all of them, per group) is freed before request_finished. Call before this
  * step's gonixl_scheduler_build_meta: the workers WRITE the blocks to the
  * decode as soon as the step's forward is done (their next
- * gonixl_worker_get_finished) instead of after request_finished. The
- * request's later request_finished must pass finished_normally 1, whatever
- * its status: its blocks stay held until the WRITE is done. */
+ * gonixl_worker_get_finished) instead of after request_finished. Until its
+ * request_finished, pending_block_frees reports 1; its request_finished is
+ * a push send whatever its status (finished_normally is overridden): its
+ * blocks stay held until the WRITE is done. */
 gonixl_status_t gonixl_scheduler_push_prompt_done(gonixl_scheduler_t h, char *req_id,
                                                   size_t req_id_len, char *params_json,
                                                   size_t params_len, int64_t *block_ids,
                                                   int64_t num_block_ids, int64_t *group_lens,
                                                   int64_t num_groups, gonixl_error_t *err);
+
+/* push_preempted (push mode, a prefill): the request ids vLLM preempted this
+ * step (its SchedulerOutput's preempted_req_ids, a JSON array). Those
+ * announced by push_prompt_done and not finished go to the workers in this
+ * step's metadata: a WRITE not posted yet is dropped, one in flight is waited
+ * for in gonixl_worker_start_load_kv, before the step's forward can overwrite
+ * the blocks. Call before this step's gonixl_scheduler_build_meta. */
+gonixl_status_t gonixl_scheduler_push_preempted(gonixl_scheduler_t h, char *req_ids_json,
+                                                size_t json_len, gonixl_error_t *err);
+
+/* pending_block_frees (vLLM's has_pending_block_frees): *out 1 while a request
+ * announced by push_prompt_done has not been finished (its early WRITE may
+ * read its blocks: vLLM must not preempt it), else 0. */
+gonixl_status_t gonixl_scheduler_pending_block_frees(gonixl_scheduler_t h, int32_t *out,
+                                                     gonixl_error_t *err);
 
 /* update_connector_output: finished_recving is a JSON array of request ids. */
 gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,

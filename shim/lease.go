@@ -5,6 +5,7 @@ package shim
 
 import (
 	"fmt"
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"math"
 	"sort"
 
@@ -155,7 +156,7 @@ func (w *Worker) sendHeartbeatsLocked(hbs map[string]*HeartbeatInfo) {
 			continue
 		}
 		w.touchRemoteLocked(re)
-		msg := heartbeatNotif(info.ReqIDs)
+		msg := kvwire.HeartbeatNotif(info.ReqIDs)
 		sent := w.clock()
 		// Every remote rank holds the request's blocks under its own lease.
 		sentAll := true

@@ -8,6 +8,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/gonixl/gonixl/shim/kvwire"
+	"math"
 	"slices"
 	"sort"
 
@@ -124,7 +126,7 @@ func (w *Worker) readLocked(st *recvState) {
 	}
 	// vLLM's "<req>:<consumers>": how many decode ranks notify each
 	// prefill rank (tpmap.go).
-	notif := doneNotif(rm.RequestID, re.plan.consumers)
+	notif := kvwire.DoneNotif(rm.RequestID, re.plan.consumers)
 	local, remote, err := w.pairBlocks(st.meta, re)
 	if err != nil {
 		w.stats.RecordFailedTransfer()
@@ -135,6 +137,15 @@ func (w *Worker) readLocked(st *recvState) {
 		// Full local prefix hit or abort before scheduling: tell the
 		// prefill it can free its blocks now.
 		w.notifyRanksLocked(st, re, notif, nil, "P worker blocks will be freed after timeout. This may indicate network issues.")
+		return
+	}
+	readKey := re.id + "\x00" + rm.RequestID
+	if _, again := w.read.Deadline(readKey); again {
+		// This engine read these blocks already and told the remote it
+		// was done with them: they may hold another request's KV now.
+		w.stats.RecordFailedTransfer()
+		w.failLocked(st, "transfer_setup_failed", fmt.Sprintf("the blocks of request %s on engine %s were read by this engine already (retried or replayed kv_transfer_params); not reading blocks the remote may have reused",
+			rm.RequestID, re.id), nil)
 		return
 	}
 	if left := w.leaseLeft(st); left < w.leaseMargin {
@@ -157,6 +168,13 @@ func (w *Worker) readLocked(st *recvState) {
 			}
 		}
 	}
+	// Remembered until the remote's lease surely ended (its expiry, or
+	// the longest lease either role holds when it sent none).
+	until := w.clock() + 2*max(w.cfg.KVLeaseDuration, w.cfg.DecoderKVBlocksTTL)
+	if left := w.leaseLeft(st); !math.IsInf(left, 1) {
+		until = w.clock() + max(left, 0) + w.cfg.KVLeaseDuration
+	}
+	w.read.Hold(readKey, until)
 	read := map[string]bool{}
 	// One READ per remote rank read, each carrying its notification.
 	for _, rr := range re.ranks {

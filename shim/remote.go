@@ -213,11 +213,13 @@ func (w *Worker) finishHandshake(engineID, host string, port int, re *remoteEngi
 	// Removed only now: after a panic above, the entry is still here and
 	// the recovery fails its waiting requests.
 	delete(w.handshakes, key)
+	// What the handshake says of the agents push waits registered with.
+	w.pushHandshakeSeenLocked(engineID, re, err)
 	if hsState == nil {
 		return
 	}
 	if len(hsState.pushWaiting)+len(hsState.cancelReplies) > 0 {
-		w.pushHandshakeDoneLocked(hsState, re, err)
+		w.pushHandshakeDoneLocked(hsState, engineID, re, err)
 	}
 	for _, id := range hsState.waiting {
 		st, ok := w.recv[id]
@@ -423,11 +425,14 @@ func (w *Worker) dropRemoteOnDisconnect(re *remoteEngine, err error) {
 	if w.dropRemoteLocked(re) {
 		w.log.Warn("remote engine disconnected; it will be re-handshaken on next use", zap.String("remote_engine_id", re.id))
 	}
+	w.pushPeerLostLocked(re.id)
 }
 
 // dropRemoteLocked forgets a remote engine (its prepared list and agent),
 // so the next request for it handshakes again. Transfers still in flight
-// keep their own references and finish or fail on their own.
+// keep their own references and finish or fail on their own. A push wait
+// on the engine is not ended: dropping a connection does not stop the
+// engine from writing (push_recv.go).
 func (w *Worker) dropRemoteLocked(re *remoteEngine) bool {
 	cur, ok := w.remotes[re.id]
 	if !ok || cur != re {
@@ -435,6 +440,5 @@ func (w *Worker) dropRemoteLocked(re *remoteEngine) bool {
 	}
 	delete(w.remotes, re.id)
 	re.release(w.agent)
-	w.pushWaitGoneLocked(re.id)
 	return true
 }

@@ -6,6 +6,7 @@ package shim
 
 import (
 	"fmt"
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"go.uber.org/zap"
 	"strings"
 )
@@ -24,28 +25,28 @@ func (w *Worker) pollNotifsLocked() {
 	for _, n := range notifs {
 		msg := string(n.Msg)
 		switch {
-		case strings.HasPrefix(msg, pushRegPrefix):
-			w.pushRegLocked(n.Agent, n.Msg[len(pushRegPrefix):])
+		case strings.HasPrefix(msg, kvwire.PushRegPrefix):
+			w.pushRegLocked(n.Agent, n.Msg[len(kvwire.PushRegPrefix):])
 			continue
-		case strings.HasPrefix(msg, pushCancelPrefix):
-			w.pushCancelLocked(n.Agent, n.Msg[len(pushCancelPrefix):])
+		case strings.HasPrefix(msg, kvwire.PushCancelPrefix):
+			w.pushCancelLocked(n.Agent, n.Msg[len(kvwire.PushCancelPrefix):])
 			continue
 		case w.pushNotifLocked(n.Agent, msg):
 			continue
 		}
-		nt, ok := parseNotif(msg)
+		nt, ok := kvwire.ParseNotif(msg)
 		if !ok {
 			w.log.Warn("malformed notification", zap.String("from", n.Agent), zap.String("msg", msg))
 			continue
 		}
-		if nt.heartbeat {
+		if nt.Heartbeat {
 			exp := w.clock() + w.leaseExtend
-			for _, id := range nt.ids {
+			for _, id := range nt.IDs {
 				w.held.Extend(id, exp)
 			}
 			continue
 		}
-		id, want := nt.reqID, nt.consumers
+		id, want := nt.ReqID, nt.Consumers
 		_, sending := w.held.Deadline(id)
 		_, processing := w.toProcess[id]
 		if !sending && !processing {
@@ -97,11 +98,18 @@ func (w *Worker) holdForReadersLocked(m *StepMeta) {
 // sweepLeasesLocked frees every request whose lease has passed.
 func (w *Worker) sweepLeasesLocked() {
 	for _, id := range w.held.Expired() {
-		if ps := w.pushSends[id]; ps != nil && len(ps.xfers) > 0 {
-			// Our own WRITE still reads these blocks: they are freed when
-			// it ends (bounded by transfer_timeout).
-			w.held.Hold(id, w.clock()+1)
-			continue
+		if ps := w.push.sends[id]; ps != nil {
+			if len(ps.xfers) > 0 {
+				// Our own WRITE still reads these blocks: they are freed
+				// when it ends (bounded by transfer_timeout) or, failed,
+				// when its handles are released.
+				w.held.Hold(id, w.clock()+1)
+				continue
+			}
+			// Not posted yet (no registration, or a handshake with the
+			// decode pending): the blocks go back to vLLM now, so they
+			// are never written.
+			w.abandonPushLocked(ps)
 		}
 		n := w.consumers[id]
 		delete(w.consumers, id)

@@ -110,37 +110,33 @@ type Worker struct {
 	// deferred: requests whose READ waits for the agent to finish a long
 	// control call (busy.go); busySince, busyLogged, busySkips: the busy
 	// period, for its log line.
-	deferred    []string
-	busySince   float64
-	busyLogged  bool
-	busySkips   int64
-	done        Finished
-	invalid     map[int64]struct{}
-	toProcess   map[string]struct{}
-	held        *leases // prefill: requests whose blocks wait for readers
-	consumers   map[string]int
-	floors      *leases // decode: remote request id -> lower bound of its remote lease (heartbeats)
+	deferred   []string
+	busySince  float64
+	busyLogged bool
+	busySkips  int64
+	done       Finished
+	invalid    map[int64]struct{}
+	toProcess  map[string]struct{}
+	held       *leases // prefill: requests whose blocks wait for readers
+	consumers  map[string]int
+	floors     *leases // decode: remote request id -> lower bound of its remote lease (heartbeats)
+	// read: remote block sets this worker READ (remote engine and request
+	// id), until their lease surely ended: the reader's notification lets
+	// the remote free them, so a second READ of the same params (a retry,
+	// replayed params) would read blocks the remote may have reused.
+	read        *leases
 	pendingFin  []byte
 	leaseExtend float64
 	leaseMargin float64 // leaseMarginFor(kv_lease_duration)
 	panics      atomic.Int64
 	stuckTotal  atomic.Int64 // handles ever held because release failed
+	pushHolds   atomic.Int64 // push waits that failed and held their blocks until no WRITE could land
 	hsGuard     handshakeGuard
-	// Push mode, a prefill (push.go): finished requests' blocks and their
-	// WRITEs by request id (pushOrder: arrival order), and registrations
-	// waiting for their request (pushRegOrder: arrival order).
-	pushSends    map[string]*pushSend
-	pushOrder    []string
-	pushRegs     map[string]*pushReg
-	pushRegOrder []string
-	// Early pushes (StepMeta.PushEarly): those whose step's forward may
-	// still be running (WRITTEN from the next GetFinished on), and those
-	// whose WRITE ended before their request_finished reached this worker
-	// (reported as finished_sending then), with the time they ended.
-	pushComputing []string
-	pushEarlyDone map[string]float64
-	lastPoll      time.Time // GetFinished's last call (pollgap.go)
-	lockHolder    string    // the last section that took mu through lockTimed
+	// push: push mode, a prefill's sends and registrations (push_send.go);
+	// a decode's waits live on its recvStates (push_recv.go).
+	push       *pushSender
+	lastPoll   time.Time // GetFinished's last call (pollgap.go)
+	lockHolder string    // the last section that took mu through lockTimed
 }
 
 // NewWorker validates cfg and creates the worker side. clock may be nil.
@@ -160,21 +156,20 @@ func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
 		clock: clock,
 		log: Logger().With(zap.String("role", "worker"), zap.String("engine_id", cfg.EngineID),
 			zap.Int("tp_rank", cfg.TPRank), zap.Int("pp_rank", cfg.PPRank)),
-		prom:          prom,
-		stats:         newStats(prom),
-		remotes:       map[string]*remoteEngine{},
-		slotLists:     map[int][]nixl.DescList{},
-		subLists:      map[int]nixl.DescList{},
-		handshakes:    map[string]*handshakeState{},
-		recv:          map[string]*recvState{},
-		invalid:       map[int64]struct{}{},
-		toProcess:     map[string]struct{}{},
-		pushSends:     map[string]*pushSend{},
-		pushRegs:      map[string]*pushReg{},
-		pushEarlyDone: map[string]float64{},
-		held:          newLeases(clock),
-		consumers:     map[string]int{},
-		floors:        newLeases(clock),
+		prom:       prom,
+		stats:      newStats(prom),
+		remotes:    map[string]*remoteEngine{},
+		slotLists:  map[int][]nixl.DescList{},
+		subLists:   map[int]nixl.DescList{},
+		handshakes: map[string]*handshakeState{},
+		recv:       map[string]*recvState{},
+		invalid:    map[int64]struct{}{},
+		toProcess:  map[string]struct{}{},
+		push:       newPushSender(),
+		held:       newLeases(clock),
+		consumers:  map[string]int{},
+		floors:     newLeases(clock),
+		read:       newLeases(clock),
 		// vLLM: kv_lease_duration * 2 // 3
 		leaseExtend: float64(int(cfg.KVLeaseDuration) * 2 / 3),
 		leaseMargin: leaseMarginFor(cfg.KVLeaseDuration),
@@ -335,6 +330,9 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 		}
 		return nil
 	}
+	// First: a preempted request's WRITE must be stopped or done before
+	// this step's forward, which may overwrite its blocks.
+	w.pushPreemptedLocked(m.PushPreempted)
 	w.startReadsLocked(m)
 	w.holdForReadersLocked(m)
 	w.pushEarlyLocked(m)
@@ -362,6 +360,7 @@ func (w *Worker) GetFinished() ([]byte, error) {
 		w.pollNotifsLocked()
 		t2 := time.Now()
 		w.sweepLeasesLocked()
+		w.read.Expired()
 		t3 := time.Now()
 		w.evictIdleRemotesLocked()
 		w.pollPushWaitsLocked()
@@ -423,6 +422,11 @@ func (w *Worker) Close() error {
 	var errs []error
 	for _, st := range w.recv {
 		for _, f := range st.xfers {
+			_ = f.x.Release()
+		}
+	}
+	for _, ps := range w.push.sends {
+		for _, f := range ps.xfers {
 			_ = f.x.Release()
 		}
 	}

@@ -95,6 +95,12 @@ PROTOTYPES: list[tuple[str, object, list]] = [
         status_t,
         [handle_t, buf, size, buf, size, i64_p, i64, i64_p, i64, error_p],
     ),
+    # gonixl_status_t gonixl_scheduler_push_preempted(gonixl_scheduler_t h, char *req_ids_json,
+    #     size_t json_len, gonixl_error_t *err);
+    ("gonixl_scheduler_push_preempted", status_t, [handle_t, buf, size, error_p]),
+    # gonixl_status_t gonixl_scheduler_pending_block_frees(gonixl_scheduler_t h, int32_t *out,
+    #     gonixl_error_t *err);
+    ("gonixl_scheduler_pending_block_frees", status_t, [handle_t, i32_p, error_p]),
     # gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,
     #     char *finished_recving_json, size_t json_len, gonixl_error_t *err);
     ("gonixl_scheduler_update_connector_output", status_t, [handle_t, buf, size, error_p]),
@@ -174,6 +180,8 @@ HOT = frozenset(
         "gonixl_scheduler_build_meta",
         "gonixl_scheduler_request_finished",
         "gonixl_scheduler_push_prompt_done",
+        "gonixl_scheduler_push_preempted",
+        "gonixl_scheduler_pending_block_frees",
         "gonixl_scheduler_update_connector_output",
         "gonixl_worker_start_load_kv",
         "gonixl_worker_get_finished",

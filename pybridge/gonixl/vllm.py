@@ -156,6 +156,9 @@ class GoNixlHandshakeMetadata(KVConnectorHandshakeMetadata):
 # never computed from. vLLM's stock connector ignores unknown keys; params
 # from a stock prefill carry no digest and are unchecked.
 PROMPT_DIGEST_KEY = "gonixl_prompt_digest"
+# A gonixl decode's params carry the wall-clock end of its blocks' TTL (no
+# stock engine sends it): params with it come from a gonixl decode.
+EXPIRY_UNIX_KEY = "gonixl_expiry_unix"
 
 
 def prompt_digest(token_ids: Any, n: int) -> Optional[str]:
@@ -395,9 +398,12 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # can be WRITTEN as soon as the step that completes their prompt has
         # run, before vLLM finishes them (gonixl_scheduler_push_prompt_done):
         # max_tokens 1, so that step finishes them, and full-attention
-        # transfer groups only, so that no block of theirs is freed before
-        # request_finished. The blocks so far, per KV-cache group; then the
-        # ids announced, until their request_finished.
+        # transfer groups only (a sliding-window group frees blocks as the
+        # prompt advances). The blocks so far, per KV-cache group; and every
+        # id ever tracked, until its request_finished: a request resumed
+        # after a preemption is not tracked again (the library has the
+        # announced ones, holds preemption off while they run, and fences
+        # those vLLM preempts anyway: gonixl_scheduler_push_preempted).
         groups, _ = _transfer_groups(vllm_config, kv_cache_config)
         self._push_early_ok = (
             self._TRANSFER_MODE == "push"
@@ -407,7 +413,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             and all(g["kind"] in ("full", "mla") for g in groups)
         )
         self._push_early: dict[str, tuple["Request", list[list[int]]]] = {}
-        self._push_early_sent: set[str] = set()
+        self._push_early_seen: set[str] = set()
         self._kv_on_cuda = False
         # Calls skipped while they have nothing to do: the scheduler's
         # build_meta until a scheduler call changes its state (an idle step),
@@ -507,6 +513,18 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if not p or not p.get("do_remote_decode") or p.get("_remote_blocks_processed"):
             return
         if READBACK_DIGEST_KEY not in p:
+            if p.get(EXPIRY_UNIX_KEY) is not None and p.get("remote_block_ids") and READBACK_TOKENS_KEY not in p:
+                # A gonixl decode's params (only gonixl sends its expiry)
+                # without the digest it always adds when it can: what its
+                # blocks hold is not known. Pull nothing.
+                logger.warning(
+                    "GoNixlConnector: request %s: kv_transfer_params from gonixl decode engine %s carry no token digest; "
+                    "pulling nothing (the prompt is computed here)",
+                    request.request_id,
+                    p.get("remote_engine_id"),
+                )
+                p[READBACK_TOKENS_KEY] = 0
+                return
             if p.get("remote_block_ids") and READBACK_TOKENS_KEY not in p and not self._warned_no_digest:
                 self._warned_no_digest = True
                 logger.warning(
@@ -583,9 +601,10 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             self._push_early_ok
             and params.get("do_remote_decode")
             and getattr(request, "max_tokens", None) == 1
-            and request.request_id not in self._push_early_sent
+            and request.request_id not in self._push_early_seen
         ):
-            self._push_early.setdefault(request.request_id, (request, []))
+            self._push_early_seen.add(request.request_id)
+            self._push_early[request.request_id] = (request, [])
         push_register = self._TRANSFER_MODE == "push" and num_external_tokens > 0 and bool(params.get("do_remote_prefill"))
         if push_register:
             # The registration carries this prompt's digest: the prefill
@@ -673,12 +692,37 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             rid = _s(req_id)
             fn = "gonixl_scheduler_push_prompt_done"
             if self._call_request(fn, req, self._sched, rid, len(rid), pj, len(pj), ids, n, lens, ng):
-                self._push_early_sent.add(req_id)
                 self._sched_dirty = True
                 announced = True
         return announced
 
+    def _push_preempted(self, scheduler_output: "SchedulerOutput") -> None:
+        """Push mode, a prefill: tells the library which tracked requests
+        vLLM preempted this step; it fences their early WRITEs before the
+        step's forward can overwrite the blocks."""
+        preempted = scheduler_output.preempted_req_ids
+        if not preempted:
+            return
+        ids = sorted(preempted & self._push_early_seen)
+        if not ids:
+            return
+        j = json.dumps(ids).encode()
+        self._sched_dirty = True
+        _lib.call("gonixl_scheduler_push_preempted", self._sched, j, len(j))
+
+    def has_pending_block_frees(self) -> bool:
+        """vLLM asks before it preempts a request to make room: while a
+        prompt announced for an early WRITE is not finished, the WRITE may
+        read its blocks, and vLLM waits a step instead (push mode)."""
+        if not self._push_early_seen or not self._sched:
+            return False
+        out = ctypes.c_int32(0)
+        _lib.call("gonixl_scheduler_pending_block_frees", self._sched, ctypes.byref(out))
+        return bool(out.value)
+
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        if self._push_early_seen:
+            self._push_preempted(scheduler_output)
         push_early = bool(self._push_early) and self._push_prompts_done(scheduler_output)
         if self._sched_dirty:
             # The library answers b"" for an idle step (no work, no timer
@@ -725,21 +769,26 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, Optional[dict[str, Any]]]:
         self._need_save.pop(request.request_id, None)
         self._push_early.pop(request.request_id, None)
-        # Announced by _push_prompts_done: its WRITE may be reading its
-        # blocks, so they are held as for any finished push, whatever the
-        # status (an abort after the prompt was computed: its KV is whole).
-        early = request.request_id in self._push_early_sent
-        self._push_early_sent.discard(request.request_id)
+        self._push_early_seen.discard(request.request_id)
         pj = _params_json(request)
         if not pj:
             return False, None
         from vllm.v1.request import RequestStatus
 
-        normal = early or request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        push_send = self._TRANSFER_MODE == "push" and normal and bool((request.kv_transfer_params or {}).get("do_remote_decode"))
-        if push_send:
+        # A request announced for an early WRITE is a push send whatever
+        # its status (an abort after the forward leaves whole KV a WRITE may
+        # be reading): the library knows which and overrides "normal".
+        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        # Tokens whose KV is written: with async scheduling a step that is
+        # still in flight counts in num_computed_tokens already (vLLM
+        # subtracts num_in_flight_tokens where it needs the same), and with
+        # speculative decoding the count may run past the token ids.
+        in_flight = getattr(request, "num_in_flight_tokens", 0)
+        computed = max(0, min(request.num_computed_tokens - in_flight, len(request.all_token_ids)))
+        push_prefill = self._TRANSFER_MODE == "push" and bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        if push_prefill:
             # Its WRITE goes only to a decode whose prompt has this digest.
-            pj = _with_digest(request.kv_transfer_params or {}, request.prompt_token_ids, request.num_computed_tokens) or pj
+            pj = _with_digest(request.kv_transfer_params or {}, request.prompt_token_ids, computed) or pj
         ids, n, lens, ng = flatten_groups(self._transfer_ids(block_ids))
         rid = _s(request.request_id)
         delay = ctypes.c_int32(0)
@@ -753,7 +802,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                 pj,
                 len(pj),
                 1 if normal else 0,
-                request.num_computed_tokens,
+                computed,
                 ids,
                 n,
                 lens,
@@ -766,7 +815,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         if request.kv_transfer_params is not None and request.kv_transfer_params.get("do_remote_prefill"):
             request.kv_transfer_params["do_remote_prefill"] = False
-        if push_send and delay.value:
+        if push_prefill and delay.value:
             self._push_sending.add(request.request_id)
         params = json.loads(out) if out else None
         if params and params.get("do_remote_prefill"):
