@@ -16,11 +16,10 @@ import (
 	"time"
 
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
-	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/nixl/nixltest"
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 // The model test of the block-ownership rule (issue 30): "a block id is
@@ -84,11 +83,12 @@ var modelOpenFindings = map[string]string{
 	"N1": "a push's blocks freed at its lease while its WRITE waits for the handshake with the decode: a run stops where the prefill reports such a request finished sending",
 	"N3": "a notify-only entry (a decode request finished before its READ, sent after a handshake) left in the worker once the engine has no request: receiving_requests stays 1 at rest; a run stops there",
 	"N4": "a prefill whose GetNotifs fails still sweeps its leases: a lease a queued heartbeat would have extended ends, its blocks are freed, and the decode (its lease floor raised by that heartbeat) READs them: no GetNotifs failure is injected on the prefill",
+	"N5": "an idle engine (vLLM steps none without requests) reads no notification: a decode holding a cancelled push wait for the prefill's last word waits with no deadline; the drain wakes idle engines with other traffic every 30 s from 60 s on",
 	"N2": "a cancelled push wait gives its blocks back after 2 kv_lease_duration without word from a prefill whose WRITE may still come (an idle prefill reads no notification): a run stops where the decode logs that it does",
 }
 
 // modelFindingIDs: every finding the model has a gate for, open or fixed.
-var modelFindingIDs = []string{"F1", "F2", "F3", "F4", "F5", "F6", "S2", "N1", "N2", "N3", "N4"}
+var modelFindingIDs = []string{"F1", "F2", "F3", "F4", "F5", "F6", "S2", "N1", "N2", "N3", "N4", "N5"}
 
 // modelFindingSeeds are seeds that reproduced each finding on the code
 // before its fix, each run with only that finding's events drawn (and
@@ -324,7 +324,6 @@ type mRun struct {
 	gates     []*hsGate
 
 	xinfo       map[uint64]*xInfo
-	gaveBack    map[string]bool // decode requests given back without word (N2)
 	nextConv    int
 	convs       []*mConv
 	pendingPull []*mReq // decode requests the proxy will send once it has their prefill's params
@@ -372,7 +371,7 @@ type xInfo struct {
 var modelCurrent atomic.Pointer[mRun]
 
 func runModel(tb testing.TB, seed int64, allow map[string]bool) (res mResult) {
-	r := &mRun{tb: tb, seed: seed, rng: rand.New(rand.NewSource(seed)), allow: allow, xinfo: map[uint64]*xInfo{}, gaveBack: map[string]bool{},
+	r := &mRun{tb: tb, seed: seed, rng: rand.New(rand.NewSource(seed)), allow: allow, xinfo: map[uint64]*xInfo{},
 		byAgent: map[string]*mEngine{}, stats: map[string]int{}}
 	r.cfg = r.drawConfig()
 	defer func() {
@@ -436,7 +435,7 @@ func (r *mRun) setup() {
 	r.eng.SetNotifHook(func(from, to string, msg []byte) bool {
 		r.mu.Lock()
 		defer r.mu.Unlock()
-		if strings.HasPrefix(string(msg), pushRegPrefix) {
+		if strings.HasPrefix(string(msg), kvwire.PushRegPrefix) {
 			r.regCopies = append(r.regCopies, netMsg{from, to, msg})
 		}
 		if !r.cfg.netDelay {
@@ -498,11 +497,8 @@ func (r *mRun) newEngine(name, kvRole, id string, blocks int, async, recompute b
 	if err != nil {
 		tb.Fatal(err)
 	}
-	s.log = zap.NewNop()
+	s.log, w.log = zap.NewNop(), zap.NewNop()
 	s.wall = func() float64 { return 1.7e9 + r.clock.Now() } // gonixl_expiry_unix on the injected clock
-	core, logs := observer.New(zapcore.WarnLevel)
-	w.log = zap.New(core)
-	e.logs = logs
 	e.sched, e.work = s, w
 	e.mem = newModelMem(tb, blocks)
 	r.eng.SetScript(nixltest.Script{Polls: polls, RefuseReleaseInFlight: refuse, InFlightSurvivesInvalidate: r.cfg.survives})
@@ -546,62 +542,6 @@ func (r *mRun) teardown() {
 
 func (r *mRun) tracef(format string, args ...any) {
 	r.trace = append(r.trace, fmt.Sprintf(format, args...))
-}
-
-// sentBeforeWrite is finding N1, seen in the prefill worker's own state
-// (push.go's pushSend: the one place this test reads it): the blocks of
-// push request id were reported finished sending (vLLM frees them) while
-// its WRITE is matched with a registration and waits for the handshake
-// with the decode, or is in flight. sweepLeasesLocked frees a push whose
-// lease ended unless a WRITE is in flight, whatever waits for it.
-func (r *mRun) sentBeforeWrite(e *mEngine, id string) bool {
-	w := e.work
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	ps := w.pushSends[id]
-	return ps != nil && ps.reg != nil && (ps.waitHS || len(ps.xfers) > 0)
-}
-
-// noteGaveBack records finding N2, seen in the decode worker's log: a
-// cancelled push wait whose blocks went back to vLLM after its hold ended
-// without an answer from the prefill (push.go pollPushWaitsLocked), while
-// the prefill may still match its registration and WRITE (an idle prefill
-// engine reads no notification: vLLM does not step it).
-func (r *mRun) noteGaveBack(e *mEngine) {
-	for _, en := range e.logs.TakeAll() {
-		if en.Message != "push: giving a timed-out request's blocks back to vLLM without word from the prefill" {
-			continue
-		}
-		id, _ := en.ContextMap()["request_id"].(string)
-		r.gaveBack[id] = true
-		r.stats["n2_gave_back"]++
-		r.tracef("  %s gave %s's blocks back without word from the prefill (finding N2)", e.name, id)
-	}
-}
-
-// openN2 reports whether a violation on the blocks of decode request id is
-// finding N2's (they went back without word), and stops the run there if
-// N2 is not drawn.
-func (r *mRun) openN2(id string) bool {
-	if !r.gaveBack[id] || r.allow["N2"] {
-		return false
-	}
-	r.tracef("  a WRITE reaches %s, whose blocks went back without word: open finding N2, the run stops", id)
-	r.skipped = "N2"
-	return true
-}
-
-// readQueued tells finding S2 in the scheduler's own state (scheduler.go):
-// whether update_state_after_alloc queued a READ for a request that
-// get_num_new_matched_tokens told vLLM to load asynchronously. A prefill
-// request that read a conversation back and was preempted asks again: its
-// params still name the decode's blocks (do_remote_decode), but
-// _remote_blocks_processed stops the READ, and it waits in
-// WAITING_FOR_REMOTE_KVS for ever (vLLM's own pull scheduler does the same).
-func (r *mRun) readQueued(e *mEngine, id string) bool {
-	e.sched.mu.Lock()
-	defer e.sched.mu.Unlock()
-	return e.sched.reqsNeedRecv[id] != nil
 }
 
 // notifyOnlyLeft counts finding N3 in the decode worker's own state
@@ -921,7 +861,7 @@ func (r *mRun) info(id uint64, op nixl.XferOp, initiator, target string, local, 
 	x.destReq, x.srcReq = ownerOf(x.dest, db), ownerOf(x.src, sb)
 	r.stats[fmt.Sprintf("xfer_%v", op)]++
 	r.tracef("  transfer %d %v by %s: dest %s%v (%s) src %s%v (%s) notif %q", id, op, ie.name, x.dest.name, db, x.destReq, x.src.name, sb, x.srcReq, notif)
-	if !x.dest.dead && !(op == nixl.Write && r.openN2(x.notifID)) {
+	if !x.dest.dead {
 		dr := x.dest.reqs[x.destReq]
 		switch {
 		case dr == nil:
@@ -970,9 +910,6 @@ func (r *mRun) checkBlocks(x *xInfo, local, remote []nixl.Desc, moving bool) {
 			o := x.dest.owner[b]
 			dr := x.dest.reqs[o]
 			if o != x.destReq || dr == nil || !dr.holdsForRecv() {
-				if x.op == nixl.Write && r.openN2(x.notifID) {
-					return
-				}
 				why := "free"
 				if dr != nil {
 					why = dr.String()
@@ -1244,7 +1181,10 @@ func (r *mRun) newConversation() {
 // runs, and preemption takes the last admitted).
 func (r *mRun) localRequest() {
 	lv := r.live()
-	e := lv[r.rng.Intn(len(lv))]
+	r.localRequestOn(lv[r.rng.Intn(len(lv))])
+}
+
+func (r *mRun) localRequestOn(e *mEngine) {
 	r.nextConv++
 	prompt := make([]int, 1+r.rng.Intn(10))
 	for i := range prompt {
@@ -1548,7 +1488,23 @@ func (r *mRun) drain() {
 	r.tracef("drain t=%.1f", r.clock.Now())
 	r.pendingPull, r.pendingPush, r.pendingTurn = nil, nil, nil
 	start := r.clock.Now()
+	nextWake := start + 60
 	for round := 0; ; round++ {
+		if !r.allow["N5"] && r.clock.Now() >= nextWake {
+			// Finding N5: vLLM steps no engine without requests, so an idle
+			// engine's worker reads no notification (a decode's CANCEL, a
+			// registration) and answers nothing; a decode waits for its
+			// last word with no deadline. Other traffic, every 30 s from
+			// a minute on, wakes it.
+			nextWake += 30
+			for _, e := range r.live() {
+				if !e.hasRequests() && len(e.queue) == 0 {
+					r.stats["n5_woken"]++
+					r.tracef("  %s is idle: a request of other traffic wakes it (open finding N5)", e.name)
+					r.localRequestOn(e)
+				}
+			}
+		}
 		r.releaseGates(-1)
 		r.settleHandshakes()
 		r.deliverAll()
@@ -1629,7 +1585,8 @@ func (r *mRun) checkEnd() {
 			r.skipped = "N3"
 			return
 		}
-		if wl.TransferHandles+wl.StuckHandles+wl.ReceivingRequests+wl.HeldLeases+wl.PendingHandshakes != 0 || wl.Panics != 0 {
+		if wl.TransferHandles+wl.StuckHandles+wl.ReceivingRequests+wl.HeldLeases+wl.PendingHandshakes+
+			wl.PushSends+wl.PushRegistrations+wl.PushHeldRequests != 0 || wl.Panics != 0 {
 			r.violate("d", "%s worker live counts at rest: %+v", e.name, wl)
 			return
 		}

@@ -8,8 +8,6 @@ import (
 	"slices"
 	"sort"
 	"strings"
-
-	"go.uber.org/zap/zaptest/observer"
 )
 
 // The model test's vLLM: one engine per side, a small, faithful copy of
@@ -175,7 +173,6 @@ type mEngine struct {
 	sched *Scheduler
 	work  *Worker
 	conn  *pyConn
-	logs  *observer.ObservedLogs // the worker's warnings
 	mem   *modelMem
 	agent string
 	port  int
@@ -341,8 +338,8 @@ func (e *mEngine) freeAll(r *mReq, why string) {
 
 func (e *mEngine) preempt(r *mReq) {
 	e.r.stats["preempt_"+e.name]++
-	if e.conn.earlySent[r.id] {
-		e.r.stats["preempt_announced"]++
+	if e.conn.earlySeen[r.id] {
+		e.r.stats["preempt_tracked_early"]++
 	}
 	e.freeBlocks(r, "preempted")
 	r.status = stPreempted
@@ -468,10 +465,6 @@ func (e *mEngine) schedule() *mBatch {
 				break
 			}
 			e.conn.updateStateAfterAlloc(r, ext)
-			if loadAsync && !e.r.allow["S2"] && !e.r.readQueued(e, r.id) {
-				e.r.tracef("  %s: %s waits for %d remote tokens that nothing will load: open finding S2, the run stops", e.name, r.id, ext)
-				e.r.skipped = "S2"
-			}
 			if loadAsync {
 				r.status = stWaitingRemote
 				r.numComputed = computed
@@ -495,7 +488,7 @@ func (e *mEngine) schedule() *mBatch {
 		b.total += n
 		_ = r
 	}
-	b.meta = e.conn.buildConnectorMeta(out)
+	b.meta = e.conn.buildConnectorMeta(out, e.preemptedID)
 	if e.deferFree && b.total > 0 {
 		e.schedSeq++
 	}
@@ -552,7 +545,6 @@ func (e *mEngine) exec(b *mBatch) {
 		e.startLoad(b)
 	}
 	b.fin, b.invalid = e.conn.getFinished()
-	e.r.noteGaveBack(e)
 	e.r.tracef("  %s: exec #%d finished sending=%v recving=%v failed=%v invalid=%v", e.name, b.seq, b.fin.Sending, b.fin.Recving, b.fin.Failed, b.invalid)
 }
 
@@ -671,13 +663,6 @@ func (e *mEngine) update(b *mBatch) {
 		e.freeAll(r, "finished_recving")
 	}
 	for _, id := range fin.Sending {
-		if e.conn.push && e.producer && e.r.sentBeforeWrite(e, id) {
-			if !e.r.allow["N1"] {
-				e.r.tracef("  %s is reported finished sending while its WRITE is still to come: open finding N1, the run stops", id)
-				e.r.skipped = "N1"
-				return
-			}
-		}
 		r := e.reqs[id]
 		if r == nil {
 			e.r.violate("report", "%s: finished_sending for %s, a request vLLM does not hold (its assert fails)", e.name, id)
@@ -802,10 +787,11 @@ type pyConn struct {
 	sched *Scheduler
 	work  *Worker
 	// push mode, a prefill: _push_early_ok (full attention, no staging),
-	// _push_early (request -> blocks so far), _push_early_sent
+	// _push_early (request -> blocks so far), _push_early_seen (every id
+	// tracked, until its request_finished)
 	earlyOK   bool
 	early     map[string][]int64
-	earlySent map[string]bool
+	earlySeen map[string]bool
 	// has_pending_push_work's sets
 	pushSending     map[string]bool
 	pushRegistering map[string]bool
@@ -815,7 +801,7 @@ type pyConn struct {
 
 func newPyConn(e *mEngine, push bool) *pyConn {
 	return &pyConn{e: e, push: push, sched: e.sched, work: e.work, earlyOK: push && e.producer,
-		early: map[string][]int64{}, earlySent: map[string]bool{}, pushSending: map[string]bool{},
+		early: map[string][]int64{}, earlySeen: map[string]bool{}, pushSending: map[string]bool{},
 		pushRegistering: map[string]bool{}, dirty: true, loadErrPending: true}
 }
 
@@ -919,6 +905,12 @@ func (c *pyConn) checkReadbackDigest(r *mReq) {
 	}
 	digest, ok := p[readbackDigestKey]
 	if !ok {
+		if p["gonixl_expiry_unix"] != nil && truthy(p["remote_block_ids"]) {
+			if _, has := p[readbackTokensKey]; !has {
+				// A gonixl decode's params without its digest: pull nothing.
+				p[readbackTokensKey] = 0
+			}
+		}
 		return
 	}
 	delete(p, readbackDigestKey)
@@ -955,10 +947,9 @@ func (c *pyConn) updateStateAfterAlloc(r *mReq, ext int) {
 		return
 	}
 	params := r.params
-	if c.earlyOK && truthy(params["do_remote_decode"]) && r.maxTokens == 1 && !c.earlySent[r.id] {
-		if _, ok := c.early[r.id]; !ok {
-			c.early[r.id] = nil
-		}
+	if c.earlyOK && truthy(params["do_remote_decode"]) && r.maxTokens == 1 && !c.earlySeen[r.id] {
+		c.earlySeen[r.id] = true
+		c.early[r.id] = nil
 	}
 	pushRegister := c.push && ext > 0 && truthy(params["do_remote_prefill"])
 	send := params
@@ -990,7 +981,31 @@ func (c *pyConn) updateStateAfterAlloc(r *mReq, ext int) {
 	}
 }
 
-func (c *pyConn) hasPendingBlockFrees() bool { return false } // the base class's answer: vllm.py does not override it
+// hasPendingBlockFrees is has_pending_block_frees: vLLM asks it before it
+// preempts to make room.
+func (c *pyConn) hasPendingBlockFrees() bool {
+	if len(c.earlySeen) == 0 {
+		return false
+	}
+	return c.sched.PendingBlockFrees()
+}
+
+// pushPreempted is _push_preempted: the tracked requests vLLM preempted
+// (scheduler_output.preempted_req_ids).
+func (c *pyConn) pushPreempted(preempted []string) {
+	var ids []string
+	for _, id := range preempted {
+		if c.earlySeen[id] {
+			ids = append(ids, id)
+		}
+	}
+	if len(ids) == 0 {
+		return
+	}
+	sort.Strings(ids)
+	c.dirty = true
+	c.sched.PushPreempted(ids)
+}
 
 // pushPromptsDone is _push_prompts_done.
 func (c *pyConn) pushPromptsDone(out []schedReq) bool {
@@ -1026,14 +1041,16 @@ func (c *pyConn) pushPromptsDone(out []schedReq) bool {
 			continue
 		}
 		c.e.r.tracef("  %s: announce %s blocks %v", c.e.name, r.id, acc)
-		c.earlySent[r.id] = true
 		c.dirty = true
 		announced = true
 	}
 	return announced
 }
 
-func (c *pyConn) buildConnectorMeta(out []schedReq) []byte {
+func (c *pyConn) buildConnectorMeta(out []schedReq, preempted []string) []byte {
+	if len(c.earlySeen) > 0 {
+		c.pushPreempted(preempted)
+	}
 	if len(c.early) > 0 {
 		c.pushPromptsDone(out)
 	}
@@ -1063,16 +1080,19 @@ func (c *pyConn) updateConnectorOutput(sending, recving []string) {
 // requestFinished is request_finished_all_groups.
 func (c *pyConn) requestFinished(r *mReq, ids BlockIDs) (bool, map[string]any) {
 	delete(c.early, r.id)
-	early := c.earlySent[r.id]
-	delete(c.earlySent, r.id)
+	delete(c.earlySeen, r.id)
 	if len(r.params) == 0 {
 		return false, nil
 	}
-	normal := early || r.reason == "length" || r.reason == "stopped"
-	pushSend := c.push && normal && truthy(r.params["do_remote_decode"])
+	// The library overrides "normal" for a request announced for an early
+	// WRITE. Tokens whose KV is written: num_computed_tokens less the
+	// step still in flight (num_in_flight_tokens), within the token ids.
+	normal := r.reason == "length" || r.reason == "stopped"
+	computed := max(0, min(r.numComputed-r.inFlight, r.numTokens()))
+	pushSend := c.push && truthy(r.params["do_remote_decode"])
 	send := r.params
 	if pushSend {
-		if d, ok := promptDigest(c.prompt(r), r.numComputed); ok {
+		if d, ok := promptDigest(c.prompt(r), computed); ok {
 			send = withKey(r.params, promptDigestKey, d)
 		}
 	}
@@ -1081,7 +1101,7 @@ func (c *pyConn) requestFinished(r *mReq, ids BlockIDs) (bool, map[string]any) {
 		return false, nil
 	}
 	c.dirty = true
-	delay, out, err := c.sched.RequestFinished(r.id, p, normal, int64(r.numComputed), ids)
+	delay, out, err := c.sched.RequestFinished(r.id, p, normal, int64(computed), ids)
 	if err != nil {
 		c.e.r.tracef("  %s: request_finished(%s): %v", c.e.name, r.id, err)
 		return false, nil
