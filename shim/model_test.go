@@ -346,6 +346,7 @@ type mConv struct {
 type netMsg struct {
 	from, to string
 	msg      []byte
+	at       float64 // sent (the injected clock)
 }
 
 type hsGate struct {
@@ -436,12 +437,12 @@ func (r *mRun) setup() {
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		if strings.HasPrefix(string(msg), kvwire.PushRegPrefix) {
-			r.regCopies = append(r.regCopies, netMsg{from, to, msg})
+			r.regCopies = append(r.regCopies, netMsg{from, to, msg, r.clock.Now()})
 		}
 		if !r.cfg.netDelay {
 			return false
 		}
-		r.net = append(r.net, netMsg{from, to, msg})
+		r.net = append(r.net, netMsg{from, to, msg, r.clock.Now()})
 		return true
 	})
 	modelCurrent.Store(r)
@@ -1405,12 +1406,23 @@ func trunc(b []byte) string {
 }
 
 // dupReg: another decode rank's copy of a registration (decode tp_size above
-// the prefill's) reaches the prefill rank now.
+// the prefill's) reaches the prefill rank now. That rank registers after
+// its own handshake with the prefill, so its copy comes within
+// push_registration_timeout of the first (its own wait runs out then).
 func (r *mRun) dupReg() {
 	r.mu.Lock()
-	m := r.regCopies[max(0, len(r.regCopies)-1-r.rng.Intn(3))]
+	var recent []netMsg
+	for _, m := range r.regCopies {
+		if r.clock.Now()-m.at <= mPushTimeout {
+			recent = append(recent, m)
+		}
+	}
 	r.mu.Unlock()
-	r.tracef("  a copy of %q reaches %s", trunc(m.msg), r.P.name)
+	if len(recent) == 0 {
+		return
+	}
+	m := recent[r.rng.Intn(len(recent))]
+	r.tracef("  a copy of %q (sent at %.1f) reaches %s", trunc(m.msg), m.at, r.P.name)
 	if a := r.eng.Agent(m.to); a != nil && !r.P.dead {
 		a.Inject(m.from, m.msg)
 	}
@@ -1544,7 +1556,7 @@ func (r *mRun) drain() {
 
 func (r *mRun) quiescent() bool {
 	for _, e := range r.live() {
-		if e.hasRequests() || len(e.queue) > 0 {
+		if e.hasRequests() || len(e.queue) > 0 || !atRest(e) {
 			return false
 		}
 	}
@@ -1557,6 +1569,13 @@ func (r *mRun) quiescent() bool {
 	}
 	r.mu.Unlock()
 	return n == 0 && len(r.mayMove()) == 0
+}
+
+// atRest: the engine's live counts are zero (its connector holds nothing).
+func atRest(e *mEngine) bool {
+	wl, sl := e.work.Live(), e.sched.Live()
+	return wl.TransferHandles+wl.StuckHandles+wl.ReceivingRequests+wl.HeldLeases+wl.PendingHandshakes+
+		wl.PushSends+wl.PushRegistrations+wl.PushHeldRequests == 0 && sl.AwaitingKV+sl.SendPending+sl.HeartbeatLeases == 0
 }
 
 // checkEnd is (d)'s end state.
