@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -20,6 +21,7 @@ import (
 	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/nixl/nixltest"
 	"github.com/gonixl/gonixl/shim/kvwire"
+	"github.com/gonixl/gonixl/sidechannel"
 )
 
 // The model test of the block-ownership rule (issue 30): "a block id is
@@ -33,12 +35,15 @@ import (
 // draws a few hundred events from a seeded generator: requests (pull, or
 // push with the two halves in either order), engine steps with and without
 // async scheduling, chunked prefill, preemption with block reuse, aborts on
-// either side, handshakes that finish late, notifications that arrive
-// late, transfers that complete, fail or land without a poll, releases the
-// engine refuses, injected faults, clock jumps past every timeout, idle
-// engines evicted, a peer that dies. Every forward writes each token's KV
-// as a pattern of its prompt's tokens up to it, so a block's bytes say
-// whose KV it holds. After every event it checks:
+// either side, other traffic, bidirectional read-back, duplicate
+// registrations, a second READ with the same params, handshakes that
+// finish late, notifications that arrive late, transfers that complete,
+// fail or land without a poll, releases the engine refuses (while
+// operations are in flight, also past InvalidateRemote), injected faults,
+// clock jumps past every timeout, engine stalls, idle engines evicted, a
+// peer that dies. Every forward writes each token's KV as a pattern of the
+// tokens up to it, so a block's bytes say whose KV it holds. After every
+// event it checks:
 //
 //	(a) no transfer that may still move bytes covers a block vLLM, on that
 //	    side, considers free or has given to another request (the blocks
@@ -51,13 +56,16 @@ import (
 //	(c) a decode reported finished receiving without failure holds its
 //	    prompt's KV in every block received;
 //	(d) every request ends within a bound of the injected clock, and at the
-//	    end every live count (Worker.Live, Scheduler.Live, the engine's
-//	    transfer handles) is zero and every block is back in its pool.
+//	    end every live count (Worker.Live, Scheduler.Live) is zero and every
+//	    block is back in its pool;
+//
+// and it fails a run where the connector reports finished_sending or
+// finished_recving for a request vLLM does not hold as such (vLLM asserts).
 //
 // A run stops at its first violation and prints the seed, the run's
 // configuration and its event trace. Environment:
 //
-//	GONIXL_MODEL_RUNS=n      runs (default modelDefaultRuns; ./build.sh fuzz sets more)
+//	GONIXL_MODEL_RUNS=n      runs (default modelDefaultRuns, about 1 s per 100; ./build.sh fuzz sets more)
 //	GONIXL_MODEL_SEED=s      the first seed (default 1); with RUNS=1, one run, traced in full
 //	GONIXL_MODEL_FINDINGS=x  also draw the events of open findings: "all" or a list (F1,F2)
 //	GONIXL_MODEL_KEEP_GOING=1 report every failing seed instead of stopping at the first
@@ -65,36 +73,64 @@ import (
 // Open findings: see modelOpenFindings.
 
 // modelDefaultRuns keeps `go test ./shim` in seconds on two cores.
-const modelDefaultRuns = 150
+const modelDefaultRuns = 300
 
-// modelOpenFindings are issue 30's findings whose fixes have not landed.
-// The model does not draw what reaches them, so that the default run passes
-// on the code as it is; GONIXL_MODEL_FINDINGS draws them anyway. When a fix
-// lands, delete its entry: its behaviour is then drawn in every run, and its
-// regression seeds (modelFindingSeeds) run too.
+// modelOpenFindings are the findings whose fixes have not landed: the
+// model does not draw what reaches them (each entry says what it holds
+// back), so that the default run passes on the code as it is;
+// GONIXL_MODEL_FINDINGS draws them anyway. When a fix lands, delete its
+// entry: its behaviour is then drawn in every run, and its regression
+// seeds (modelFindingSeeds) run in TestModelFindingSeeds.
+//
+// Issue 30's findings F1-F6 and the model's own N1-N5, as found before
+// the fixes of b05a508 (seeds in modelFindingSeeds): F1 a push WRITE
+// reported failed while still in flight; F2 an early WRITE of blocks a
+// preemption freed; F3 engine_ttl eviction ending a push wait; F4 a
+// bidirectional decode advertising the KV of a step still in flight; F5 a
+// duplicate registration consumed twice; F6 a held block set read twice;
+// N1 a push's blocks freed at its lease while its WRITE waits for the
+// handshake with the decode; N2 a cancelled push wait given back after two
+// leases without word from a prefill that may still WRITE; N3 a
+// notify-only entry left in an idle worker (now part of N5); N4-N6 below.
+// S2 (issue 30 item 5's TestSchedulerAsyncImpliesRead) was reached by
+// preempting a prefill that had read a conversation back.
 var modelOpenFindings = map[string]string{
-	"F1": "a push WRITE reported failed while still in flight: the prefill's agent never refuses a release",
-	"F2": "an early WRITE of blocks a preemption freed: a push prefill schedules without async scheduling",
-	"F3": "engine_ttl eviction ending a push wait: engine_ttl is off in push mode",
-	"F5": "a duplicate registration consumed twice: no PUSH_REG copy is injected",
-	"F6": "a held block set read twice: no second READ with the same params",
-	"F4": "bidirectional: the decode advertises KV of a step still in flight (num_computed_tokens under async scheduling): an async bidirectional decode never stops on an end-of-sequence token",
-	"S2": "issue 30 item 5's TestSchedulerAsyncImpliesRead, reached by preempting a prefill that read a conversation back: it asks for the decode's KV again and waits for ever; a run stops there",
-	"N1": "a push's blocks freed at its lease while its WRITE waits for the handshake with the decode: a run stops where the prefill reports such a request finished sending",
-	"N3": "a notify-only entry (a decode request finished before its READ, sent after a handshake) left in the worker once the engine has no request: receiving_requests stays 1 at rest; a run stops there",
-	"N4": "a prefill whose GetNotifs fails still sweeps its leases: a lease a queued heartbeat would have extended ends, its blocks are freed, and the decode (its lease floor raised by that heartbeat) READs them: no GetNotifs failure is injected on the prefill",
-	"N5": "an idle engine (vLLM steps none without requests) reads no notification: a decode holding a cancelled push wait for the prefill's last word waits with no deadline; the drain wakes idle engines with other traffic every 30 s from 60 s on",
-	"N2": "a cancelled push wait gives its blocks back after 2 kv_lease_duration without word from a prefill whose WRITE may still come (an idle prefill reads no notification): a run stops where the decode logs that it does",
+	"F6": "a held block set read after its free: a decode request finished before its READ sends the notify-only " +
+		"message that frees the prefill's blocks while a second request with the same params READs them " +
+		"(a worker no longer READs a remote request twice, but the notify-only path still frees): " +
+		"no second request with the same params",
+	"N4": "a prefill whose GetNotifs fails still sweeps its leases (GetFinished): a lease a queued heartbeat " +
+		"would have extended ends, its blocks are freed, and the decode, its lease floor raised by that " +
+		"heartbeat, READs them and reports them received: no GetNotifs failure on the prefill",
+	"N6": "a heartbeat that reaches the prefill worker before the step that installs its lease (the start_load_kv " +
+		"after request_finished) is dropped (leases.Extend extends only leases held); a prefill engine that " +
+		"stalls past the lease then installs it expired and frees the blocks, while the decode, its lease floor " +
+		"raised by that heartbeat, READs them: no engine stalls longer than kv_lease_duration less 4 s",
+	"N5": "vLLM steps no engine without requests, so an idle engine's worker reads no notification: a decode " +
+		"holding a cancelled push wait for the prefill's last word (or a notify-only entry, a stale " +
+		"registration) waits with no deadline: the drain wakes idle engines with other traffic every 30 s " +
+		"from its first minute on",
 }
 
 // modelFindingIDs: every finding the model has a gate for, open or fixed.
-var modelFindingIDs = []string{"F1", "F2", "F3", "F4", "F5", "F6", "S2", "N1", "N2", "N3", "N4", "N5"}
+var modelFindingIDs = []string{"F1", "F2", "F3", "F4", "F5", "F6", "N4", "N5", "N6"}
 
-// modelFindingSeeds are seeds that reproduced each finding on the code
-// before its fix, each run with only that finding's events drawn (and
-// those of findings already fixed). They run in the default test once the
-// finding is no longer open.
-var modelFindingSeeds = map[string][]int64{}
+// modelFindingSeeds: seeds that reproduced each finding, each run with
+// GONIXL_MODEL_FINDINGS=<that finding>: F1-F5, N1 and the first three of
+// F6 on f3fd56c, before the fixes; the rest of F6 and N5, N6 on the
+// fixes. TestModelFindingSeeds runs those of the findings no longer open,
+// with only that finding's events drawn.
+var modelFindingSeeds = map[string][]int64{
+	"F1": {2, 5, 8, 30, 33},
+	"F2": {61, 294, 348},
+	"F3": {13},
+	"F4": {41396},
+	"F5": {8, 10, 21},
+	"F6": {14, 17, 24, 76, 78, 79, 124, 143},
+	"N1": {3, 63, 258},
+	"N5": {16, 27, 32, 38, 47},
+	"N6": {100132, 102060},
+}
 
 func TestModelOwnership(t *testing.T) {
 	runs := envInt(t, "GONIXL_MODEL_RUNS", modelDefaultRuns)
@@ -111,9 +147,6 @@ func TestModelOwnership(t *testing.T) {
 			stats[k] += v
 		}
 		if res.violation == "" {
-			if res.skipped != "" {
-				t.Logf("seed %d stopped at open finding %s", seed, res.skipped)
-			}
 			if runs == 1 {
 				t.Logf("seed %d: %s\n%s", seed, res.cfg, strings.Join(res.trace, "\n"))
 			}
@@ -141,7 +174,7 @@ func TestModelFindingSeeds(t *testing.T) {
 		if _, open := modelOpenFindings[f]; open {
 			continue
 		}
-		allow := modelAllowed(f)
+		allow := map[string]bool{f: true}
 		for _, seed := range modelFindingSeeds[f] {
 			if res := runModel(t, seed, allow); res.violation != "" {
 				t.Errorf("%s regression seed %d: %s\nconfig: %s\ntrace:\n%s", f, seed, res.violation, res.cfg, strings.Join(tail(res.trace, 600), "\n"))
@@ -223,13 +256,16 @@ func statsLine(s map[string]int) string {
 	return strings.Join(parts, " ")
 }
 
-// quietModelLogs keeps the library's log lines out of the test output:
-// thousands of expected failures are logged per run.
+// quietModelLogs keeps the library's log lines out of the test output
+// (thousands of expected failures are logged per run), and makes a dead
+// engine's side channel refuse at once (sidechannel.RefusedGrace retries a
+// refused dial for a second of real time, which a model run does not need).
 func quietModelLogs(t *testing.T) {
-	old := logger
+	old, grace := logger, sidechannel.RefusedGrace
 	Logger()
 	logger = zap.NewNop()
-	t.Cleanup(func() { logger = old })
+	sidechannel.RefusedGrace = 0
+	t.Cleanup(func() { logger, sidechannel.RefusedGrace = old, grace })
 }
 
 // ---------------------------------------------------------------------------
@@ -291,7 +327,6 @@ const (
 
 type mResult struct {
 	violation string
-	skipped   string
 	cfg       mConfig
 	trace     []string
 	stats     map[string]int
@@ -312,10 +347,7 @@ type mRun struct {
 
 	trace     []string
 	violation string
-	// skipped: the run reached an open finding that only the code under
-	// test can tell (N1) and stopped there.
-	skipped string
-	stats   map[string]int
+	stats     map[string]int
 
 	mu        sync.Mutex // the fields below: hooks run on other goroutines
 	moves     []nixltest.Move
@@ -332,6 +364,7 @@ type mRun struct {
 	decodes     []*mReq // decode requests sent (pull), for a retried READ
 	all         []*mReq
 	killed      bool
+	reserved    []int // sockets holding dead engines' ports
 }
 
 // mConv is one prompt (and its client id): a prefill request and its
@@ -380,10 +413,7 @@ func runModel(tb testing.TB, seed int64, allow map[string]bool) (res mResult) {
 			r.violation = fmt.Sprintf("panic: %v", p)
 		}
 		r.teardown()
-		if r.skipped != "" {
-			r.stats["stopped_at_"+r.skipped]++
-		}
-		res = mResult{violation: r.violation, skipped: r.skipped, cfg: r.cfg, trace: r.trace, stats: r.stats}
+		res = mResult{violation: r.violation, cfg: r.cfg, trace: r.trace, stats: r.stats}
 	}()
 	r.setup()
 	r.run()
@@ -539,36 +569,18 @@ func (r *mRun) teardown() {
 	for _, e := range r.sides {
 		e.mem.free()
 	}
+	for _, fd := range r.reserved {
+		_ = syscall.Close(fd)
+	}
 }
 
 func (r *mRun) tracef(format string, args ...any) {
 	r.trace = append(r.trace, fmt.Sprintf(format, args...))
 }
 
-// notifyOnlyLeft counts finding N3 in the decode worker's own state
-// (recv.go's recvState): entries of requests vLLM finished before their
-// READ (a notify-only message to the prefill) that were sent after a
-// handshake and wait for a get_finished to be dropped, which an engine
-// with no request left never calls.
-func notifyOnlyLeft(w *Worker) int {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	n := 0
-	for _, st := range w.recv {
-		if !st.report && len(st.xfers) == 0 && !st.waiting && st.push == nil {
-			n++
-		}
-	}
-	return n
-}
-
 // violate records the run's first violation (class: what broke).
 func (r *mRun) violate(class, format string, args ...any) {
 	msg := fmt.Sprintf("[%s] %s", class, fmt.Sprintf(format, args...))
-	if r.skipped != "" {
-		r.tracef("  (after open finding %s) %s", r.skipped, msg)
-		return
-	}
 	r.tracef("  VIOLATION %s", msg)
 	if r.violation == "" {
 		r.violation = fmt.Sprintf("t=%.1f %s", r.clock.Now(), msg)
@@ -599,7 +611,7 @@ func modelHandshakeGate(what string) {
 // settleHandshakes lets every gated handshake go without hsDelay, and waits
 // until each handshake started is at its gate or finished.
 func (r *mRun) settleHandshakes() {
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(60 * time.Second) // real time: a loaded host is slow, a handshake is bounded (handshake_timeout)
 	for {
 		if !r.cfg.hsDelay {
 			r.releaseGates(-1)
@@ -1001,16 +1013,16 @@ func (r *mRun) checkReceived(q *mReq) {
 // events
 
 func (r *mRun) run() {
-	for i := 0; i < r.cfg.events && r.violation == "" && r.skipped == ""; i++ {
+	for i := 0; i < r.cfg.events && r.violation == ""; i++ {
 		r.event(i)
 		r.checkMoves()
 		r.checkLive()
 		r.checkAges()
 	}
-	if r.violation == "" && r.skipped == "" {
+	if r.violation == "" {
 		r.drain()
 	}
-	if r.violation == "" && r.skipped == "" {
+	if r.violation == "" {
 		r.checkEnd()
 	}
 }
@@ -1326,7 +1338,7 @@ func (r *mRun) abort(e *mEngine) {
 // but not by seconds).
 func (r *mRun) advance(d float64) {
 	r.tracef("  clock +%.1f from %.1f", d, r.clock.Now())
-	for d > 0 && r.violation == "" && r.skipped == "" {
+	for d > 0 && r.violation == "" {
 		r.deliverAll()
 		r.releaseOldGates()
 		dt := min(d, 0.5)
@@ -1350,7 +1362,11 @@ func (r *mRun) stall() {
 	if r.clock.Now() < e.stallUntil+5 {
 		return // stalls do not chain: the engine steps between them
 	}
-	d := 1 + r.rng.Float64()*19
+	limit := 20.0
+	if !r.allow["N6"] {
+		limit = mLease - 4 // a stall longer than a lease meets finding N6
+	}
+	d := 1 + r.rng.Float64()*(limit-1)
 	e.stallUntil = r.clock.Now() + d
 	r.tracef("  %s stalls for %.1fs", e.name, d)
 }
@@ -1476,7 +1492,26 @@ func (r *mRun) kill() {
 		a.Kill()
 	}
 	_ = e.sched.Close()
+	r.reservePort(e.port)
 	r.pendingPull, r.pendingPush, r.pendingTurn = nil, nil, nil
+}
+
+// reservePort keeps a dead engine's side-channel port bound without a
+// listener, so that a handshake with it is refused, as with a process
+// that died, rather than answered by whatever binds the port next (this
+// host runs other tests).
+func (r *mRun) reservePort(port int) {
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		return
+	}
+	_ = syscall.SetsockoptInt(fd, syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1)
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		_ = syscall.Close(fd)
+		r.tracef("  note: port %d of the dead engine could not be reserved: %v", port, err)
+		return
+	}
+	r.reserved = append(r.reserved, fd)
 }
 
 // checkAges: no request outlives mBound without ending.
@@ -1532,7 +1567,7 @@ func (r *mRun) drain() {
 		}
 		r.checkMoves()
 		r.checkLive()
-		if r.violation != "" || r.skipped != "" {
+		if r.violation != "" {
 			return
 		}
 		if r.quiescent() {
@@ -1599,11 +1634,6 @@ func (r *mRun) checkEnd() {
 			return
 		}
 		wl, sl := e.work.Live(), e.sched.Live()
-		if n := notifyOnlyLeft(e.work); n > 0 && n == wl.ReceivingRequests && !r.allow["N3"] {
-			r.tracef("%s: %d notify-only entries left at rest: open finding N3, the run stops", e.name, n)
-			r.skipped = "N3"
-			return
-		}
 		if wl.TransferHandles+wl.StuckHandles+wl.ReceivingRequests+wl.HeldLeases+wl.PendingHandshakes+
 			wl.PushSends+wl.PushRegistrations+wl.PushHeldRequests != 0 || wl.Panics != 0 {
 			r.violate("d", "%s worker live counts at rest: %+v", e.name, wl)
