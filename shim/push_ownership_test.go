@@ -415,3 +415,50 @@ func TestPushAbortedBeforeRegistration(t *testing.T) {
 		t.Fatalf("the aborted request was registered after all (%d registrations)", n)
 	}
 }
+
+// A decode request finished before its READ (an abort) tells the prefill
+// to free the blocks: a second request with the same params must not read
+// them after that either.
+func TestReadAfterNotifyOnlyRefused(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
+	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
+	out := prefill(t, p, "p1", []int64{3, 4}, 8)
+	dp := mustParams(t, string(out))
+	d.sched.OnNewRequest("d1", dp)
+	if _, _, err := d.sched.RequestFinished("d1", dp, false, 0, nil); err != nil { // aborted before allocation
+		t.Fatal(err)
+	}
+	d.step(t)
+	p.waitFinished(t, "prefill frees on the notify-only message", func(f Finished) bool {
+		d.finished(t)
+		return p.work.Live().HeldLeases == 0
+	})
+	posts := fakeAgent(t, d).CountCalls("Post")
+	decodeLoad(t, d, "d2", out, []int64{11, 12})
+	f := d.waitFinished(t, "second request refused", func(f Finished) bool { return contains(f.Recving, "d2") })
+	if !contains(f.Failed, "d2") || fakeAgent(t, d).CountCalls("Post") != posts {
+		t.Fatalf("a request read blocks the prefill freed on this engine's notification: %+v", f)
+	}
+}
+
+// While a prefill cannot drain its notifications (GetNotifs fails), a
+// heartbeat that would extend a lease may be among them: no lease ends
+// until the drain works again.
+func TestLeasesHeldWhileNotificationsCannotBeDrained(t *testing.T) {
+	clock := NewFakeClock(100)
+	eng := nixltest.NewEngine("t")
+	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, map[string]any{"kv_lease_duration": 10})
+	prefill(t, p, "p1", []int64{3, 4}, 8)
+	fakeAgent(t, p).SetScript(nixltest.Script{FailStep: nixltest.StepGetNotifs})
+	clock.Advance(20)
+	for i := 0; i < 3; i++ {
+		if f := p.finished(t); len(f.Sending) != 0 {
+			t.Fatalf("a lease ended while notifications could not be drained: %+v", f)
+		}
+	}
+	fakeAgent(t, p).SetScript(nixltest.Script{})
+	if f := p.finished(t); !contains(f.Sending, "p1") {
+		t.Fatalf("the lease did not end once draining worked again: %+v", f)
+	}
+}

@@ -133,13 +133,15 @@ func (w *Worker) readLocked(st *recvState) {
 		w.failLocked(st, "transfer_setup_failed", err.Error(), nil)
 		return
 	}
+	readKey := re.id + "\x00" + rm.RequestID
 	if len(local) == 0 {
 		// Full local prefix hit or abort before scheduling: tell the
-		// prefill it can free its blocks now.
+		// prefill it can free its blocks now. They are then consumed: a
+		// second request with the same params must not read them.
+		w.consumeRemoteLocked(st, readKey)
 		w.notifyRanksLocked(st, re, notif, nil, "P worker blocks will be freed after timeout. This may indicate network issues.")
 		return
 	}
-	readKey := re.id + "\x00" + rm.RequestID
 	if _, again := w.read.Deadline(readKey); again {
 		// This engine read these blocks already and told the remote it
 		// was done with them: they may hold another request's KV now.
@@ -155,6 +157,7 @@ func (w *Worker) readLocked(st *recvState) {
 			left, w.leaseMargin, w.leaseDetail(st)), nil)
 		// Nothing will be read: let the prefill free the blocks now rather
 		// than at its lease's end.
+		w.consumeRemoteLocked(st, readKey)
 		w.notifyRanksLocked(st, re, notif, nil, "")
 		return
 	}
@@ -168,13 +171,7 @@ func (w *Worker) readLocked(st *recvState) {
 			}
 		}
 	}
-	// Remembered until the remote's lease surely ended (its expiry, or
-	// the longest lease either role holds when it sent none).
-	until := w.clock() + 2*max(w.cfg.KVLeaseDuration, w.cfg.DecoderKVBlocksTTL)
-	if left := w.leaseLeft(st); !math.IsInf(left, 1) {
-		until = w.clock() + max(left, 0) + w.cfg.KVLeaseDuration
-	}
-	w.read.Hold(readKey, until)
+	w.consumeRemoteLocked(st, readKey)
 	read := map[string]bool{}
 	// One READ per remote rank read, each carrying its notification.
 	for _, rr := range re.ranks {
@@ -201,6 +198,19 @@ func (w *Worker) readLocked(st *recvState) {
 	// Ranks handshaken with but not read (MLA's single reader, duplicate
 	// GQA heads) are told now that this decode rank is done with them.
 	w.notifyRanksLocked(st, re, notif, read, "Remote rank will not update request state. This may indicate network issues.")
+}
+
+// consumeRemoteLocked remembers that this worker read (or told the remote
+// it will not read) the remote blocks of st, until their lease surely
+// ended (their expiry, or the longest lease either role holds when the
+// remote sent none): the remote frees them on this worker's notification,
+// so the same params again must not read them.
+func (w *Worker) consumeRemoteLocked(st *recvState, key string) {
+	until := w.clock() + 2*max(w.cfg.KVLeaseDuration, w.cfg.DecoderKVBlocksTTL)
+	if left := w.leaseLeft(st); !math.IsInf(left, 1) {
+		until = w.clock() + max(left, 0) + w.cfg.KVLeaseDuration
+	}
+	w.read.Raise(key, until)
 }
 
 // localListFor is the local descriptor list a transfer with remote rank rr

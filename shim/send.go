@@ -19,9 +19,14 @@ import (
 func (w *Worker) pollNotifsLocked() {
 	notifs, err := w.agent.GetNotifs()
 	if err != nil {
-		w.log.Warn("draining notifications failed", zap.Error(err))
+		// A heartbeat may be among what could not be read: no lease is
+		// swept until the notifications are drained again (a decode whose
+		// heartbeat extended a lease may be reading those blocks).
+		w.notifsFailed = true
+		w.log.Warn("draining notifications failed; leases are held until it works again", zap.Error(err))
 		return
 	}
+	w.notifsFailed = false
 	for _, n := range notifs {
 		msg := string(n.Msg)
 		switch {
@@ -95,8 +100,12 @@ func (w *Worker) holdForReadersLocked(m *StepMeta) {
 	}
 }
 
-// sweepLeasesLocked frees every request whose lease has passed.
+// sweepLeasesLocked frees every request whose lease has passed, unless
+// the last drain of notifications failed.
 func (w *Worker) sweepLeasesLocked() {
+	if w.notifsFailed {
+		return
+	}
 	for _, id := range w.held.Expired() {
 		if ps := w.push.sends[id]; ps != nil {
 			if len(ps.xfers) > 0 {

@@ -120,18 +120,21 @@ type Worker struct {
 	held       *leases // prefill: requests whose blocks wait for readers
 	consumers  map[string]int
 	floors     *leases // decode: remote request id -> lower bound of its remote lease (heartbeats)
-	// read: remote block sets this worker READ (remote engine and request
-	// id), until their lease surely ended: the reader's notification lets
-	// the remote free them, so a second READ of the same params (a retry,
-	// replayed params) would read blocks the remote may have reused.
-	read        *leases
-	pendingFin  []byte
-	leaseExtend float64
-	leaseMargin float64 // leaseMarginFor(kv_lease_duration)
-	panics      atomic.Int64
-	stuckTotal  atomic.Int64 // handles ever held because release failed
-	pushHolds   atomic.Int64 // push waits that failed and held their blocks until no WRITE could land
-	hsGuard     handshakeGuard
+	// read: remote block sets this worker READ or let go of (remote engine
+	// and request id), until their lease surely ended: this worker's
+	// notification lets the remote free them, so a second READ of the same
+	// params (a retry, replayed params) would read blocks it may have
+	// reused.
+	read *leases
+	// notifsFailed: the last GetNotifs failed (leases are not swept).
+	notifsFailed bool
+	pendingFin   []byte
+	leaseExtend  float64
+	leaseMargin  float64 // leaseMarginFor(kv_lease_duration)
+	panics       atomic.Int64
+	stuckTotal   atomic.Int64 // handles ever held because release failed
+	pushHolds    atomic.Int64 // push waits that failed and held their blocks until no WRITE could land
+	hsGuard      handshakeGuard
 	// push: push mode, a prefill's sends and registrations (push_send.go);
 	// a decode's waits live on its recvStates (push_recv.go).
 	push       *pushSender

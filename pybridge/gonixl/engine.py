@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from . import _lib
 
@@ -66,32 +66,62 @@ def layer_descriptions(
     return out
 
 
-def _new(fn: str, config: Mapping[str, Any], role: str) -> int:
-    cfg = json.dumps({**config, "role": role}).encode()
+def library_version() -> str:
+    """The library's version string."""
+    return _lib.call_bytes("gonixl_version").decode()
+
+
+def live_objects() -> dict[str, int]:
+    """The library's open scheduler and worker handles and parked results."""
+    return json.loads(_lib.call_bytes("gonixl_live_objects"))
+
+
+def probe() -> dict[str, Any]:
+    """What the library finds on this host: version and transfer engines."""
+    return json.loads(_lib.call_bytes("gonixl_probe"))
+
+
+Params = Union[bytes, Mapping[str, Any], None]
+"""kv_transfer_params: a dict, or the JSON bytes of one (what a caller that
+already serialised it passes), or None / b"" for none."""
+
+
+def _new(fn: str, config: Union[bytes, Mapping[str, Any]], role: str) -> int:
+    """A handle from gonixl_<role>_new; config is the connector
+    configuration (a dict, whose role is set here, or its JSON)."""
+    cfg = config if isinstance(config, bytes) else json.dumps({**config, "role": role}).encode()
     h = _lib.handle_t()
     _lib.call(fn, cfg, len(cfg), ctypes.byref(h))
     return h.value
 
 
-def _j(x: Any) -> bytes:
+def _j(x: Params) -> bytes:
+    if isinstance(x, bytes):
+        return x
     return json.dumps(x).encode() if x else b""
+
+
+def _ids_json(ids: Iterable[str]) -> bytes:
+    return json.dumps(sorted(ids)).encode()
 
 
 class Scheduler:
     """The scheduler side (vLLM's EngineCore): request bookkeeping, leases,
     the side-channel listener. config is the connector configuration
-    (docs/ENVIRONMENT.md; the keys of include/gonixl.h's config JSON)."""
+    (docs/ENVIRONMENT.md; the keys of include/gonixl.h's config JSON).
 
-    def __init__(self, config: Mapping[str, Any]):
+    This class and :class:`Worker` are the one binding of the C ABI: every
+    call into the library goes through them (gonixl.vllm too), and a bad
+    argument surfaces as one of :mod:`gonixl.errors`' exceptions."""
+
+    def __init__(self, config: Union[bytes, Mapping[str, Any]]):
         self.handle = _new("gonixl_scheduler_new", config, "scheduler")
 
-    def on_new_request(self, req_id: str, params: Mapping[str, Any]) -> None:
+    def on_new_request(self, req_id: str, params: Params) -> None:
         r, p = req_id.encode(), _j(params)
         _lib.call("gonixl_scheduler_on_new_request", self.handle, r, len(r), p, len(p))
 
-    def get_num_new_matched_tokens(
-        self, params: Mapping[str, Any], num_prompt_tokens: int, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, params: Params, num_prompt_tokens: int, num_computed_tokens: int) -> tuple[int, bool]:
         p = _j(params)
         count, is_async = ctypes.c_int64(0), ctypes.c_int32(0)
         _lib.call(
@@ -109,7 +139,7 @@ class Scheduler:
     def update_state_after_alloc(
         self,
         req_id: str,
-        params: Mapping[str, Any],
+        params: Params,
         block_ids: Sequence[Sequence[int]],
         cached_blocks: Sequence[int],
         num_external_tokens: int,
@@ -138,20 +168,39 @@ class Scheduler:
         )
         return bool(mutated.value)
 
+    def push_prompt_done(self, req_id: str, params: Params, block_ids: Sequence[Sequence[int]]) -> None:
+        """Push mode, a prefill: the step being scheduled completes this
+        request's prompt (include/gonixl.h)."""
+        r, p = req_id.encode(), _j(params)
+        ids, n, lens, ng = flatten_groups(block_ids)
+        _lib.call("gonixl_scheduler_push_prompt_done", self.handle, r, len(r), p, len(p), ids, n, lens, ng)
+
+    def push_preempted(self, req_ids: Iterable[str]) -> None:
+        """Push mode, a prefill: the requests vLLM preempted this step."""
+        j = _ids_json(req_ids)
+        if j != b"[]":
+            _lib.call("gonixl_scheduler_push_preempted", self.handle, j, len(j))
+
+    def pending_block_frees(self) -> bool:
+        """vLLM's has_pending_block_frees (push mode's announced prompts)."""
+        out = ctypes.c_int32(0)
+        _lib.call("gonixl_scheduler_pending_block_frees", self.handle, ctypes.byref(out))
+        return bool(out.value)
+
     def build_meta(self) -> bytes:
         """This step's metadata for the workers; b"" for an idle step (no
         work, no timer pending; idle until another scheduler call)."""
         return _lib.call_bytes("gonixl_scheduler_build_meta", self.handle)
 
-    def update_connector_output(self, finished_recving: Sequence[str]) -> None:
-        if finished_recving:
-            j = json.dumps(sorted(finished_recving)).encode()
+    def update_connector_output(self, finished_recving: Iterable[str]) -> None:
+        j = _ids_json(finished_recving)
+        if j != b"[]":
             _lib.call("gonixl_scheduler_update_connector_output", self.handle, j, len(j))
 
     def request_finished(
         self,
         req_id: str,
-        params: Mapping[str, Any],
+        params: Params,
         block_ids: Sequence[Sequence[int]],
         finished_normally: bool,
         num_computed_tokens: int,
@@ -194,7 +243,7 @@ class Worker:
     """The worker side (one per TP/PP rank): KV registration, handshakes,
     READs, notifications."""
 
-    def __init__(self, config: Mapping[str, Any]):
+    def __init__(self, config: Union[bytes, Mapping[str, Any]]):
         self.handle = _new("gonixl_worker_new", config, "worker")
 
     def register_kv_caches(
@@ -205,12 +254,15 @@ class Worker:
         attn_backend: str = "",
         kv_cache_layout: str = "",
         block_reshape: str = "",
+        kernel_layout: str = "",
     ) -> bytes:
         """Registers the KV caches (layers from :func:`layer_descriptions`)
         and returns the handshake payload the scheduler serves.
         block_reshape is :attr:`BlockReshaper.mode` when the caller puts
         blocks read from a prefill of a smaller block size in order (see
-        get_finished's "reshape"); "" refuses such prefills."""
+        get_finished's "reshape"); "" refuses such prefills. kernel_layout
+        names the attention kernel's layout inside a block where the
+        backend does not fix it (vLLM's CPU backend)."""
         init = {
             "layers": layers,
             "num_blocks": num_blocks,
@@ -218,6 +270,7 @@ class Worker:
             "attn_backend": attn_backend,
             "kv_cache_layout": kv_cache_layout,
             "block_reshape": block_reshape,
+            "kernel_layout": kernel_layout,
         }
         j = json.dumps(init).encode()
         _lib.call("gonixl_worker_register_kv_caches", self.handle, j, len(j))
@@ -226,9 +279,10 @@ class Worker:
     def start_load_kv(self, meta: bytes) -> None:
         _lib.call("gonixl_worker_start_load_kv", self.handle, meta, len(meta))
 
-    def get_finished(self) -> dict[str, list[str]]:
+    def get_finished(self) -> dict[str, Any]:
         """finished_sending, finished_recving and failed_recving since the
-        last call."""
+        last call, the blocks to reshape, and whether load_errors and stats
+        have something to return."""
         return json.loads(_lib.call_bytes("gonixl_worker_get_finished", self.handle))
 
     def load_errors(self) -> list[int]:

@@ -223,3 +223,44 @@ def test_push_aborted_after_announcement_keeps_its_blocks(gv):
         assert not delay
     finally:
         conn.shutdown()
+
+
+def test_push_decode_keeps_vllm_stepping_while_it_holds_a_finished_request(gv, monkeypatch):
+    """vLLM steps an engine without requests no more; a push decode whose
+    worker holds an aborted request's blocks until the prefill answers
+    asks for steps (has_pending_push_work) until finished_recving, for a
+    bounded time."""
+    mod, _ = gv
+    conn = _sched(mod, mod.GoNixlPushConnector, "kv_consumer", "own-push-d", {})
+    try:
+        n = 2 * BS
+        def params(client_id: str) -> dict:
+            return {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": client_id, "remote_host": "127.0.0.1",
+                    "remote_port": 5999, "tp_size": 1}
+
+        req = h.Engine.request("d-1", n, params("c-1"))
+        ext, is_async = conn.get_num_new_matched_tokens(req, 0)
+        assert (ext, is_async) == (n, True)
+        conn.update_state_after_alloc(req, KVCacheBlocks(([h.KVCacheBlock(block_id=i, ref_cnt=1) for i in (2, 3)],)), ext)
+        assert conn.has_pending_push_work()  # the registration, for the worker
+        _meta(conn, SchedulerOutput.make_empty())
+        assert not conn.has_pending_push_work()  # waiting: vLLM steps for the request itself
+        req.status = RequestStatus.FINISHED_ABORTED
+        conn.request_finished_all_groups(req, ([2, 3],))
+        assert conn.has_pending_push_work(), "an aborted request's held blocks do not keep vLLM stepping"
+        from vllm.v1.outputs import KVConnectorOutput
+
+        conn.update_connector_output(KVConnectorOutput(finished_recving={"d-1"}))
+        assert not conn.has_pending_push_work()
+        # Bounded: a hold that outlives the window stops asking.
+        req2 = h.Engine.request("d-2", n, params("c-2"))
+        conn.get_num_new_matched_tokens(req2, 0)
+        conn.update_state_after_alloc(req2, KVCacheBlocks(([h.KVCacheBlock(block_id=i, ref_cnt=1) for i in (4, 5)],)), n)
+        _meta(conn, SchedulerOutput.make_empty())
+        req2.status = RequestStatus.FINISHED_ABORTED
+        conn.request_finished_all_groups(req2, ([4, 5],))
+        assert conn.has_pending_push_work()
+        monkeypatch.setattr(mod, "_PUSH_HOLD_STEPPING", -1.0)
+        assert not conn.has_pending_push_work()
+    finally:
+        conn.shutdown()
