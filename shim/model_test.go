@@ -91,43 +91,47 @@ const modelDefaultRuns = 300
 // N1 a push's blocks freed at its lease while its WRITE waits for the
 // handshake with the decode; N2 a cancelled push wait given back after two
 // leases without word from a prefill that may still WRITE; N3 a
-// notify-only entry left in an idle worker (now part of N5); N4-N6 below.
+// notify-only entry left in an idle worker (part of N5); N4 a prefill whose
+// GetNotifs failed still sweeping its leases (a queued heartbeat would have
+// extended one a decode reads under). N4 was fixed in 4e73729, the first
+// form of F6 (a notify-only message) too; F6's residual, N5, N6 below.
 // S2 (issue 30 item 5's TestSchedulerAsyncImpliesRead) was reached by
 // preempting a prefill that had read a conversation back.
 var modelOpenFindings = map[string]string{
-	"F6": "a held block set read after its free: a decode request finished before its READ sends the notify-only " +
-		"message that frees the prefill's blocks while a second request with the same params READs them " +
-		"(a worker no longer READs a remote request twice, but the notify-only path still frees): " +
-		"no second request with the same params",
-	"N4": "a prefill whose GetNotifs fails still sweeps its leases (GetFinished): a lease a queued heartbeat " +
-		"would have extended ends, its blocks are freed, and the decode, its lease floor raised by that " +
-		"heartbeat, READs them and reports them received: no GetNotifs failure on the prefill",
+	"F6": "a held block set read after its free: a second request with the same params keeps the decode " +
+		"heartbeating the remote request after the first READ's notification freed it, which raises the " +
+		"decode's lease floor (heartbeats are counted as extensions the prefill no longer makes); once the " +
+		"worker's memory of the READ ends (the lease left then, plus kv_lease_duration) the second request " +
+		"READs blocks the prefill reused: no second request with the same params",
 	"N6": "a heartbeat that reaches the prefill worker before the step that installs its lease (the start_load_kv " +
 		"after request_finished) is dropped (leases.Extend extends only leases held); a prefill engine that " +
 		"stalls past the lease then installs it expired and frees the blocks, while the decode, its lease floor " +
 		"raised by that heartbeat, READs them: no engine stalls longer than kv_lease_duration less 4 s",
-	"N5": "vLLM steps no engine without requests, so an idle engine's worker reads no notification: a decode " +
-		"holding a cancelled push wait for the prefill's last word (or a notify-only entry, a stale " +
-		"registration) waits with no deadline: the drain wakes idle engines with other traffic every 30 s " +
-		"from its first minute on",
+	"N5": "vLLM steps no engine without requests, so an idle prefill's worker reads no notification: a " +
+		"decode's CANCEL (or a registration) waits in its inbox, the decode holds the request's blocks for " +
+		"the prefill's last word (it keeps vLLM stepping for 60 s, then waits for its next request) with no " +
+		"deadline: the drain wakes idle engines with other traffic every 30 s from its first minute on",
 }
 
 // modelFindingIDs: every finding the model has a gate for, open or fixed.
 var modelFindingIDs = []string{"F1", "F2", "F3", "F4", "F5", "F6", "N4", "N5", "N6"}
 
 // modelFindingSeeds: seeds that reproduced each finding, each run with
-// GONIXL_MODEL_FINDINGS=<that finding>: F1-F5, N1 and the first three of
-// F6 on f3fd56c, before the fixes; the rest of F6 and N5, N6 on the
-// fixes. TestModelFindingSeeds runs those of the findings no longer open,
-// with only that finding's events drawn.
+// GONIXL_MODEL_FINDINGS=<that finding>: F1-F5, N1 and F6's 14, 17, 24 on
+// f3fd56c, before the fixes; F6's 73, 78 on f789cd7 (its notify-only form,
+// fixed in 4e73729); F6's others, N5 and N6 on the merge of fe3ad84; N4's
+// with GONIXL_MODEL_FINDINGS=F4 on c4f32c1 (rare since; fixed in 4e73729).
+// TestModelFindingSeeds runs those of the findings no longer open, with
+// only that finding's events drawn.
 var modelFindingSeeds = map[string][]int64{
 	"F1": {2, 5, 8, 30, 33},
 	"F2": {61, 294, 348},
 	"F3": {13},
 	"F4": {41396},
 	"F5": {8, 10, 21},
-	"F6": {14, 17, 24, 76, 78, 79, 124, 143},
+	"F6": {14, 17, 24, 73, 78, 76, 160, 333, 440},
 	"N1": {3, 63, 258},
+	"N4": {20163, 20398, 20420},
 	"N5": {16, 27, 32, 38, 47},
 	"N6": {100132, 102060},
 }

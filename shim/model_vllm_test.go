@@ -792,9 +792,14 @@ type pyConn struct {
 	earlyOK   bool
 	early     map[string][]int64
 	earlySeen map[string]bool
-	// has_pending_push_work's sets
+	// has_pending_push_work's sets: _push_sending, _push_registering,
+	// _push_registered, _push_unreceived (request -> when vLLM finished it
+	// before its finished_recving; vllm.py uses time.monotonic, the model
+	// its clock)
 	pushSending     map[string]bool
 	pushRegistering map[string]bool
+	pushRegistered  map[string]bool
+	pushUnreceived  map[string]float64
 	dirty           bool // _sched_dirty
 	loadErrPending  bool
 }
@@ -802,7 +807,8 @@ type pyConn struct {
 func newPyConn(e *mEngine, push bool) *pyConn {
 	return &pyConn{e: e, push: push, sched: e.sched, work: e.work, earlyOK: push && e.producer,
 		early: map[string][]int64{}, earlySeen: map[string]bool{}, pushSending: map[string]bool{},
-		pushRegistering: map[string]bool{}, dirty: true, loadErrPending: true}
+		pushRegistering: map[string]bool{}, pushRegistered: map[string]bool{}, pushUnreceived: map[string]float64{},
+		dirty: true, loadErrPending: true}
 }
 
 const promptDigestKey = "gonixl_prompt_digest"
@@ -977,6 +983,7 @@ func (c *pyConn) updateStateAfterAlloc(r *mReq, ext int) {
 		params["_remote_blocks_processed"] = true
 		if pushRegister {
 			c.pushRegistering[r.id] = true
+			c.pushRegistered[r.id] = true
 		}
 	}
 }
@@ -1071,6 +1078,10 @@ func (c *pyConn) updateConnectorOutput(sending, recving []string) {
 	for _, id := range sending {
 		delete(c.pushSending, id)
 	}
+	for _, id := range recving {
+		delete(c.pushRegistered, id)
+		delete(c.pushUnreceived, id)
+	}
 	if len(recving) > 0 {
 		c.dirty = true
 		c.sched.UpdateConnectorOutput(slices.Sorted(slices.Values(recving)))
@@ -1081,6 +1092,10 @@ func (c *pyConn) updateConnectorOutput(sending, recving []string) {
 func (c *pyConn) requestFinished(r *mReq, ids BlockIDs) (bool, map[string]any) {
 	delete(c.early, r.id)
 	delete(c.earlySeen, r.id)
+	if c.pushRegistered[r.id] {
+		delete(c.pushRegistered, r.id)
+		c.pushUnreceived[r.id] = c.e.r.clock.Now()
+	}
 	if len(r.params) == 0 {
 		return false, nil
 	}
@@ -1133,7 +1148,22 @@ func (c *pyConn) requestFinished(r *mReq, ids BlockIDs) (bool, map[string]any) {
 	return delay, params
 }
 
-func (c *pyConn) hasPendingPushWork() bool { return len(c.pushSending)+len(c.pushRegistering) > 0 }
+// pushHoldStepping is vllm.py's _PUSH_HOLD_STEPPING: how long a push decode
+// keeps vLLM stepping after it finished a request its worker still holds.
+const pushHoldStepping = 60.0
+
+func (c *pyConn) hasPendingPushWork() bool {
+	if len(c.pushSending)+len(c.pushRegistering) > 0 {
+		return true
+	}
+	horizon := c.e.r.clock.Now() - pushHoldStepping
+	for id, t := range c.pushUnreceived {
+		if t < horizon {
+			delete(c.pushUnreceived, id)
+		}
+	}
+	return len(c.pushUnreceived) > 0
+}
 
 func (c *pyConn) startLoadKV(meta []byte) {
 	if err := c.work.StartLoadKV(meta); err != nil {
