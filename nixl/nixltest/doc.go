@@ -14,6 +14,15 @@
 //     on its Nth occurrence); Kill makes an agent look like a dead peer
 //     (transfers to it end in ERR_REMOTE_DISCONNECT).
 //   - Every API call is recorded (Agent.Calls) for assertions.
+//   - Observation (observe.go): every data movement is reported before
+//     the bytes move (Engine.SetMoveHook), live transfers are listed
+//     (Engine.Transfers), notifications can be held back and delivered
+//     later or twice (Engine.SetNotifHook, Agent.Inject), a transfer in
+//     flight can be finished by the engine's own progress, unpolled
+//     (Engine.Settle), a release refused while operations are in flight
+//     as the ucx engine does (Script.RefuseReleaseInFlight; with
+//     Script.InFlightSurvivesInvalidate even past InvalidateRemote), and
+//     the next occurrence of a step failed (Agent.FailNext).
 //   - Validation follows NIXL: descriptors must lie in registered regions
 //     (ERR_NOT_FOUND), index arrays must be non-empty, of equal length, in
 //     range and pair equal lengths (ERR_INVALID_PARAM), re-posting an

@@ -57,6 +57,17 @@ type Script struct {
 	// PrepDescList (its PrepHook included) or LoadRemoteMetadata runs, as
 	// the NIXL engine does; off, it never reports busy.
 	ControlBusy bool
+	// RefuseReleaseInFlight makes Release of a posted transfer that is
+	// still in progress fail with ERR_REPOST_ACTIVE, as the ucx engine's
+	// does while its operations are in flight and cannot be cancelled;
+	// once the peer is dead or its metadata was invalidated (which cancels
+	// the operations) the release succeeds.
+	RefuseReleaseInFlight bool
+	// InFlightSurvivesInvalidate: operations already issued keep going
+	// when the peer's metadata is invalidated (an engine that cannot
+	// cancel them at all): with RefuseReleaseInFlight, the release is
+	// refused until the transfer completes, fails, or its peer dies.
+	InFlightSurvivesInvalidate bool
 }
 
 // Call is one recorded API call.
@@ -75,6 +86,12 @@ type Engine struct {
 	unavailable error
 	agents      map[string]*Agent
 	order       []*Agent
+	// Observation (observe.go): transfers not yet released by id, and
+	// the test's hooks.
+	nextXfer  uint64
+	live      map[uint64]*xfer
+	moveHook  func(Move)
+	notifHook func(from, to string, msg []byte) bool
 }
 
 // Fake is the engine registered under the name "fake".
@@ -85,7 +102,7 @@ func init() { nixl.Register(Fake) }
 // NewEngine returns an unregistered engine; pass it to nixl.Register under
 // a fresh name if the code under test looks engines up by name.
 func NewEngine(name string) *Engine {
-	return &Engine{name: name, agents: map[string]*Agent{}}
+	return &Engine{name: name, agents: map[string]*Agent{}, live: map[uint64]*xfer{}}
 }
 
 func (e *Engine) Name() string { return e.name }
@@ -143,6 +160,8 @@ func (e *Engine) Reset() {
 	e.order = nil
 	e.script = Script{}
 	e.unavailable = nil
+	e.live = map[uint64]*xfer{}
+	e.moveHook, e.notifHook = nil, nil
 	e.mu.Unlock()
 }
 
@@ -169,6 +188,7 @@ func (e *Engine) NewAgent(cfg nixl.AgentConfig) (nixl.Agent, error) {
 		regs:    map[nixl.MemType][]nixl.Region{},
 		remotes: map[string]*remoteInfo{},
 		counts:  map[Step]int{},
+		next:    map[Step]nixl.Status{},
 	}
 	a.record("NewAgent", "%s", cfg.Name)
 	if err := a.fault(StepNewAgent); err != nil {
@@ -193,8 +213,9 @@ type Agent struct {
 	inbox   []nixl.Notif
 	calls   []Call
 	counts  map[Step]int
-	lists   int // live prepared lists
-	xfers   int // live transfer requests
+	next    map[Step]nixl.Status // FailNext: the next occurrence of a step fails
+	lists   int                  // live prepared lists
+	xfers   int                  // live transfer requests
 }
 
 type remoteInfo struct {
@@ -219,6 +240,10 @@ func (a *Agent) record(op, format string, args ...any) {
 // fault applies the script to one occurrence of step.
 func (a *Agent) fault(step Step) error {
 	a.counts[step]++
+	if st, ok := a.next[step]; ok {
+		delete(a.next, step)
+		return nixl.Errorf(st, string(step), "scripted failure (FailNext)")
+	}
 	s := a.script
 	if s.FailStep != step || (s.FailNth != 0 && s.FailNth != a.counts[step]) {
 		return nil
@@ -543,14 +568,18 @@ func (a *Agent) MakeXfer(op nixl.XferOp, local nixl.DescList, localIdx []int32, 
 		total += ll.descs[li].Len
 	}
 	a.xfers++
-	return &xfer{
-		a: a, op: op, local: ll, remote: rl,
+	a.e.nextXfer++
+	x := &xfer{
+		id: a.e.nextXfer, a: a, op: op, local: ll, remote: rl,
 		li: append([]int32(nil), localIdx...), ri: append([]int32(nil), remoteIdx...),
 		notif: bytes.Clone(notif), hasNotif: notif != nil, bytes: total, gen: rl.gen,
-	}, nil
+	}
+	a.e.live[x.id] = x
+	return x, nil
 }
 
 type xfer struct {
+	id            uint64 // engine-wide, for Transfers and Settle
 	a             *Agent
 	op            nixl.XferOp
 	local, remote *descList
@@ -567,6 +596,9 @@ type xfer struct {
 	start    time.Time
 	postDur  time.Duration
 	xferDur  time.Duration
+	refused  int    // releases refused (Script.RefuseReleaseInFlight, a scripted ReleaseXfer failure)
+	started  bool   // its operations were issued (a Post that did not fail)
+	peer     *Agent // the agent its operations target, from Post
 }
 
 func (x *xfer) stale(op string) error {
@@ -592,7 +624,7 @@ func (x *xfer) Post() (nixl.Status, error) {
 		return nixl.ErrNotFound, nixl.Errorf(nixl.ErrNotFound, "Post", "metadata of %q was invalidated or reloaded", x.remote.agent)
 	}
 	x.start = time.Now()
-	x.posted, x.polls, x.postDur, x.xferDur = true, 0, 0, 0
+	x.posted, x.polls, x.postDur, x.xferDur, x.started = true, 0, 0, 0, false
 	if err := a.fault(StepPost); err != nil {
 		x.status = nixl.StatusOf(err)
 		return x.status, err
@@ -602,7 +634,7 @@ func (x *xfer) Post() (nixl.Status, error) {
 		delete(a.remotes, x.remote.agent) // NIXL invalidates the remote on disconnect
 		return x.status, nixl.Errorf(nixl.ErrRemoteDiscon, "Post", "agent %q disconnected", x.remote.agent)
 	}
-	x.status = nixl.InProgress
+	x.status, x.started, x.peer = nixl.InProgress, true, ri.agent
 	if a.script.Polls < 0 {
 		x.complete(ri.agent)
 	}
@@ -615,6 +647,18 @@ func (x *xfer) Post() (nixl.Status, error) {
 
 // complete moves the data and delivers the notification.
 func (x *xfer) complete(peer *Agent) {
+	x.move(peer)
+	if x.hasNotif {
+		x.a.e.deliverLocked(x.a, peer, x.notif)
+	}
+	x.status = nixl.Success
+}
+
+// move copies the transfer's bytes, telling the move hook first.
+func (x *xfer) move(peer *Agent) {
+	if h := x.a.e.moveHook; h != nil {
+		h(x.moveInfo(peer))
+	}
 	if !x.a.script.NoCopy {
 		for i := range x.li {
 			l, r := x.local.descs[x.li[i]], x.remote.descs[x.ri[i]]
@@ -625,10 +669,6 @@ func (x *xfer) complete(peer *Agent) {
 			}
 		}
 	}
-	if x.hasNotif {
-		peer.inbox = append(peer.inbox, nixl.Notif{Agent: x.a.cfg.Name, Msg: bytes.Clone(x.notif)})
-	}
-	x.status = nixl.Success
 }
 
 func (x *xfer) Check() (nixl.Status, error) {
@@ -698,10 +738,19 @@ func (x *xfer) Release() error {
 		return nixl.Errorf(nixl.ErrInvalidParam, "Xfer.Release", "transfer request released twice")
 	}
 	if err := a.fault(StepReleaseXfer); err != nil {
+		x.refused++
 		return err
+	}
+	if a.script.RefuseReleaseInFlight && x.posted && x.status == nixl.InProgress {
+		if x.peerLocked() != nil {
+			x.refused++
+			return nixl.Errorf(nixl.ErrRepostActive, "Xfer.Release", "the transfer's operations are still in flight and cannot be cancelled")
+		}
+		x.status = nixl.ErrRemoteDiscon // cancelled with its peer
 	}
 	x.released = true
 	a.xfers--
+	delete(a.e.live, x.id)
 	return nil
 }
 
@@ -722,7 +771,7 @@ func (a *Agent) SendNotif(agent string, msg []byte) error {
 	if ri.agent.dead || ri.agent.closed {
 		return nixl.Errorf(nixl.ErrRemoteDiscon, "SendNotif", "agent %q disconnected", agent)
 	}
-	ri.agent.inbox = append(ri.agent.inbox, nixl.Notif{Agent: a.cfg.Name, Msg: bytes.Clone(msg)})
+	a.e.deliverLocked(a, ri.agent, msg)
 	return nil
 }
 
