@@ -344,3 +344,33 @@ func TestNewRejectsBadURLAndRedacts(t *testing.T) {
 		t.Errorf("String() shows the password: %s", s.String())
 	}
 }
+
+// BenchmarkTurn: one turn's store traffic (a TakeTurn and a PutTurn of
+// ~300 bytes of params) against a local redis-server, the cost a shared
+// store adds to a turn; run in parallel with -cpu to see contention.
+func BenchmarkTurn(b *testing.B) {
+	srv := redistest.Start(b)
+	s, err := New(Options{URL: srv.URL(0), TTL: time.Minute, Timeout: time.Second})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer s.Close()
+	p := []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_block_ids":[1,2,3,4,5,6,7,8],` +
+		`"remote_engine_id":"engine-d0","remote_request_id":"chatcmpl-0123456789abcdef","remote_host":"10.0.0.7",` +
+		`"remote_port":5600,"tp_size":1,"remote_num_tokens":250,"gonixl_expiry_unix":1790000000.5,` +
+		`"gonixl_token_digest":"0123456789abcdef0123456789abcdef0123456789abcdef"}`)
+	var n atomic.Int64
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		conv := fmt.Sprint("bench-", n.Add(1))
+		for pb.Next() {
+			tk, err := s.TakeTurn(context.Background(), conv)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if _, err := s.PutTurn(context.Background(), conv, tk.Turn, p); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}

@@ -36,7 +36,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
-import model_task  # noqa: E402
+import model_task
 
 ENV = os.environ.get
 BASELINE = ENV("GONIXL_FLEET_BASELINE")
@@ -50,7 +50,13 @@ LOGS = ENV("GONIXL_FLEET_LOGS", "")
 MODEL = ENV("GONIXL_E2E_MODEL")
 
 pytestmark = pytest.mark.skipif(
-    not (BASELINE and len(PREFILLS) == 2 and len(DECODES) == 2 and PROXY_BIN and len(PROXY_PORTS) == 2),
+    not (
+        BASELINE
+        and len(PREFILLS) == 2
+        and len(DECODES) == 2
+        and PROXY_BIN
+        and len(PROXY_PORTS) == 2
+    ),
     reason="run through tests/e2e/run_fleet_test.sh (it starts the servers)",
 )
 
@@ -67,7 +73,9 @@ def get(url: str) -> str:
 
 def post(url: str, body: dict, headers: dict | None = None) -> dict:
     req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"} | (headers or {})
+        url,
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"} | (headers or {}),
     )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.load(r)
@@ -76,9 +84,10 @@ def post(url: str, body: dict, headers: dict | None = None) -> dict:
 def counter(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
+        if line.startswith((name + "{", name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
     return total
 
 
@@ -91,11 +100,21 @@ def sources(urls: list[str]) -> tuple[float, float]:
     )
 
 
-def chat(url: str, messages: list[dict], conv: str | None = None, rid: str = "") -> tuple[str, dict]:
-    body: dict = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "seed": 0}
+def chat(
+    url: str, messages: list[dict], conv: str | None = None, rid: str = ""
+) -> tuple[str, dict]:
+    body: dict = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "seed": 0,
+    }
     if conv:
         body["conversation_id"] = conv
-    data = post(url + "/v1/chat/completions", body, {"x-request-id": rid} if rid else None)
+    data = post(
+        url + "/v1/chat/completions", body, {"x-request-id": rid} if rid else None
+    )
     assert "kv_transfer_params" not in data, f"params reached the client: {data}"
     return data["choices"][0]["message"]["content"], data.get("usage") or {}
 
@@ -109,19 +128,24 @@ class Replica:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        log = open(os.path.join(LOGS, f"proxy-{self.name}.log"), "ab")
-        self.proc = subprocess.Popen(
-            [PROXY_BIN, *PROXY_ARGS, "--port", self.port], stdout=log, stderr=subprocess.STDOUT
-        )
-        log.close()
+        with open(os.path.join(LOGS, f"proxy-{self.name}.log"), "ab") as log:
+            self.proc = subprocess.Popen(
+                [PROXY_BIN, *PROXY_ARGS, "--port", self.port],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 30
         while True:
             try:
                 get(self.url + "/healthcheck")
                 return
             except OSError:
-                assert self.proc.poll() is None, f"proxy {self.name} exited with {self.proc.returncode}"
-                assert time.monotonic() < deadline, f"proxy {self.name} not ready after 30 s"
+                assert self.proc.poll() is None, (
+                    f"proxy {self.name} exited with {self.proc.returncode}"
+                )
+                assert time.monotonic() < deadline, (
+                    f"proxy {self.name} not ready after 30 s"
+                )
                 time.sleep(0.2)
 
     def stop(self) -> None:
@@ -154,9 +178,9 @@ class Events:
     """BlockStored events of each named ZMQ publisher, collected by a thread."""
 
     def __init__(self, endpoints: dict[str, str]):
+        import msgspec
         import zmq
         from vllm.distributed.kv_events import BlockStored, KVEventBatch
-        import msgspec
 
         self._stored = BlockStored
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
@@ -168,7 +192,9 @@ class Events:
             s.connect(ep)
             self.socks[s] = name
         self.lock = threading.Lock()
-        self.got: list[tuple[float, str, object]] = []  # (arrival, publisher, BlockStored)
+        self.got: list[
+            tuple[float, str, object]
+        ] = []  # (arrival, publisher, BlockStored)
         self.batches = {name: 0 for name in endpoints}
         self.stop = threading.Event()
         self.poller = zmq.Poller()
@@ -189,7 +215,9 @@ class Events:
                         if isinstance(ev, self._stored):
                             self.got.append((now, self.socks[s], ev))
 
-    def blocks(self, since: float, names: set[str]) -> dict[int, tuple[str, tuple[int, ...]]]:
+    def blocks(
+        self, since: float, names: set[str]
+    ) -> dict[int, tuple[str, tuple[int, ...]]]:
         """hash -> (publisher, the block's tokens) of BlockStored events since since."""
         out = {}
         with self.lock:
@@ -212,7 +240,9 @@ class Events:
 @pytest.fixture(scope="module")
 def events():
     if not EVENTS:
-        pytest.fail("GONIXL_FLEET_EVENTS is empty: run_fleet_test.sh gives the decodes and the baseline --kv-events-config")
+        pytest.fail(
+            "GONIXL_FLEET_EVENTS is empty: run_fleet_test.sh gives the decodes and the baseline --kv-events-config"
+        )
     ev = Events(EVENTS)
     time.sleep(1)  # subscriptions reach the publishers before anything is published
     yield ev
@@ -225,12 +255,28 @@ def warm_pairs(replicas):
     and decode) before the measured tests, through replica A."""
     a = replicas[0]
     for k in range(4):
-        chat(a.url, [{"role": "user", "content": model_task.examples(900 + k, [40])[0].prompt}])
+        chat(
+            a.url,
+            [{"role": "user", "content": model_task.examples(900 + k, [40])[0].prompt}],
+        )
     for w in range(2):
-        first = [{"role": "user", "content": model_task.examples(910 + w, [80])[0].prompt}]
+        first = [
+            {"role": "user", "content": model_task.examples(910 + w, [80])[0].prompt}
+        ]
         answer, _ = chat(a.url, first, f"warm-{w}")
-        chat(a.url, [{"role": "user", "content": model_task.examples(920 + w, [40])[0].prompt}])
-        chat(a.url, first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "?"}], f"warm-{w}")
+        chat(
+            a.url,
+            [{"role": "user", "content": model_task.examples(920 + w, [40])[0].prompt}],
+        )
+        chat(
+            a.url,
+            first
+            + [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "?"},
+            ],
+            f"warm-{w}",
+        )
     yield
 
 
@@ -248,11 +294,16 @@ class Turn:
 def test_turns_alternate_between_replicas(replicas):
     a, b = replicas
     convs = [f"fleet-{i}" for i in range(3)]
-    users = {c: [e.prompt for e in model_task.examples(100 + i, [150 - 20 * i, 100, 80, 60])] for i, c in enumerate(convs)}
+    users = {
+        c: [e.prompt for e in model_task.examples(100 + i, [150 - 20 * i, 100, 80, 60])]
+        for i, c in enumerate(convs)
+    }
     history: dict[str, list[dict]] = {c: [] for c in convs}
     n_prev: dict[str, int | None] = {c: None for c in convs}
     turns: list[Turn] = []
-    hits_before = {r.name: r.metric("gonixl_proxy_conversation_cache_hits_total") for r in replicas}
+    hits_before = {
+        r.name: r.metric("gonixl_proxy_conversation_cache_hits_total") for r in replicas
+    }
     before = sources(PREFILLS)
 
     def one(conv: str, k: int, r: Replica) -> Turn:
@@ -273,19 +324,28 @@ def test_turns_alternate_between_replicas(replicas):
     for k in range(4):
         r = (a, b)[k % 2]
         if k == 2:
-            a_hits_before_restart = a.metric("gonixl_proxy_conversation_cache_hits_total") - hits_before["a"]
+            a_hits_before_restart = (
+                a.metric("gonixl_proxy_conversation_cache_hits_total")
+                - hits_before["a"]
+            )
             a.stop()
             a.start()  # a new process: its memory is empty, the store is not
             hits_before["a"] = 0.0
         with cf.ThreadPoolExecutor(len(convs)) as pool:
-            turns += list(pool.map(lambda c: one(c, k, r), convs))
+            turns += list(pool.map(one, convs, [k] * len(convs), [r] * len(convs)))
     after = sources(PREFILLS)
 
-    wrong = [(t.conv, t.index, t.replica, t.got, t.want) for t in turns if t.got != t.want]
+    wrong = [
+        (t.conv, t.index, t.replica, t.got, t.want) for t in turns if t.got != t.want
+    ]
     computed, external = after[0] - before[0], after[1] - before[1]
     want_external = sum(t.pulled for t in turns)
     want_computed = sum(t.prompt_tokens - t.pulled for t in turns)
-    hits = {r.name: r.metric("gonixl_proxy_conversation_cache_hits_total") - hits_before[r.name] for r in replicas}
+    hits = {
+        r.name: r.metric("gonixl_proxy_conversation_cache_hits_total")
+        - hits_before[r.name]
+        for r in replicas
+    }
     errors = sum(r.metric("gonixl_proxy_state_store_errors_total") for r in replicas)
     print(
         f"{len(turns)} turns over replicas a, b, a (restarted), b: {len(turns) - len(wrong)} equal to the baseline; "
@@ -293,13 +353,19 @@ def test_turns_alternate_between_replicas(replicas):
         f"(want {want_computed}), pulled {external:.0f} (want {want_external}); cache hits a {a_hits_before_restart:.0f} "
         f"then a' {hits['a']:.0f}, b {hits['b']:.0f}; store errors {errors:.0f}"
     )
-    assert not wrong, f"turns whose text differs from the baseline (conv, turn, replica, got, want): {wrong}"
+    assert not wrong, (
+        f"turns whose text differs from the baseline (conv, turn, replica, got, want): {wrong}"
+    )
     assert all(t.pulled > 0 for t in turns if t.index > 0), (
         f"a turn from the second on would not pull (prompt or history below {THRESHOLD} tokens): "
         f"{[(t.conv, t.index, t.pulled) for t in turns]}"
     )
-    assert external == want_external, f"the prefills pulled {external:.0f} prompt tokens, want {want_external}"
-    assert computed == want_computed, f"the prefills computed {computed:.0f} prompt tokens, want {want_computed}"
+    assert external == want_external, (
+        f"the prefills pulled {external:.0f} prompt tokens, want {want_external}"
+    )
+    assert computed == want_computed, (
+        f"the prefills computed {computed:.0f} prompt tokens, want {want_computed}"
+    )
     assert (a_hits_before_restart, hits["a"], hits["b"]) == (0, 3, 6), (
         "cache hits per replica: turn 1 misses on a, turns 2 and 4 hit on b, turn 3 hits on the restarted a"
     )
@@ -307,7 +373,10 @@ def test_turns_alternate_between_replicas(replicas):
 
 
 def tokenize(messages: list[dict]) -> list[int]:
-    r = post(BASELINE + "/tokenize", {"model": MODEL, "messages": messages, "add_generation_prompt": True})
+    r = post(
+        BASELINE + "/tokenize",
+        {"model": MODEL, "messages": messages, "add_generation_prompt": True},
+    )
     return r["tokens"]
 
 
@@ -320,13 +389,19 @@ def test_transferred_blocks_are_published(replicas, events):
 
     t0 = time.monotonic()
     d_before = sources(DECODES)
-    got, usage = chat(a.url, messages)  # no conversation_id: prefill, then the decode pulls the prompt
+    got, _ = chat(
+        a.url, messages
+    )  # no conversation_id: prefill, then the decode pulls the prompt
     d_after = sources(DECODES)
     want, busage = chat(BASELINE, messages)
     assert got == want
-    assert int(busage["prompt_tokens"]) == len(ids), "the baseline's prompt is not the tokenized one"
+    assert int(busage["prompt_tokens"]) == len(ids), (
+        "the baseline's prompt is not the tokenized one"
+    )
     pulled = d_after[1] - d_before[1]
-    assert pulled >= (len(full) - 1) * BLOCK, f"the decodes pulled {pulled:.0f} prompt tokens: the prompt did not arrive by transfer"
+    assert pulled >= (len(full) - 1) * BLOCK, (
+        f"the decodes pulled {pulled:.0f} prompt tokens: the prompt did not arrive by transfer"
+    )
 
     decodes = {n for n in EVENTS if n.startswith("decode")}
     deadline = time.monotonic() + 15
@@ -334,10 +409,18 @@ def test_transferred_blocks_are_published(replicas, events):
         # The decodes' blocks of this prompt published since the request;
         # every block of it they ever published (a block cached earlier is
         # not published again); the baseline's since the request.
-        dec_prompt = {h: v for h, v in events.blocks(t0, decodes).items() if v[1] in full}
+        dec_prompt = {
+            h: v for h, v in events.blocks(t0, decodes).items() if v[1] in full
+        }
         dec_all = {h: v for h, v in events.blocks(0, decodes).items() if v[1] in full}
-        base_prompt = {h: v[1] for h, v in events.blocks(t0, {"baseline"}).items() if v[1] in full}
-        if len(base_prompt) >= len(full) - 1 and len(dec_prompt) >= len(full) - 1 and set(base_prompt) <= set(dec_all):
+        base_prompt = {
+            h: v[1] for h, v in events.blocks(t0, {"baseline"}).items() if v[1] in full
+        }
+        if (
+            len(base_prompt) >= len(full) - 1
+            and len(dec_prompt) >= len(full) - 1
+            and set(base_prompt) <= set(dec_all)
+        ):
             break
         if time.monotonic() > deadline:
             break
@@ -360,5 +443,9 @@ def test_transferred_blocks_are_published(replicas, events):
         f"that received them by transfer"
     )
     for h, toks in base_prompt.items():
-        assert dec_all[h][1] == toks, f"block hash {h}: the decode's tokens differ from the baseline's"
-    assert len(publishers) == 1, f"more than one decode published the prompt: {publishers}"
+        assert dec_all[h][1] == toks, (
+            f"block hash {h}: the decode's tokens differ from the baseline's"
+        )
+    assert len(publishers) == 1, (
+        f"more than one decode published the prompt: {publishers}"
+    )

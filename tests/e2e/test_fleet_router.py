@@ -24,7 +24,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
-import model_task  # noqa: E402
+import model_task
 
 ENV = os.environ.get
 BASELINE = ENV("GONIXL_FLEET_BASELINE")
@@ -33,7 +33,11 @@ ROUTERS = dict(x.split("=", 1) for x in (ENV("GONIXL_FLEET_ROUTERS") or "").spli
 MODEL = ENV("GONIXL_E2E_MODEL")
 
 pytestmark = pytest.mark.skipif(
-    not (BASELINE and len(PREFILLS) == 2 and set(ROUTERS) == {"round_robin", "cache_aware"}),
+    not (
+        BASELINE
+        and len(PREFILLS) == 2
+        and set(ROUTERS) == {"round_robin", "cache_aware"}
+    ),
     reason="run through tests/e2e/run_fleet_test.sh (phase 2 starts the routers)",
 )
 
@@ -44,9 +48,10 @@ GROUPS, PER_GROUP, PREFIX, SUFFIX = 3, 6, 256, 48
 def counter(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
+        if line.startswith((name + "{", name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
     return total
 
 
@@ -61,9 +66,17 @@ def prefill_sources() -> dict[str, float]:
 
 
 def complete(url: str, prompt: str) -> str:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": model_task.MAX_KEY_LEN + 2, "temperature": 0, "seed": 0}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": model_task.MAX_KEY_LEN + 2,
+        "temperature": 0,
+        "seed": 0,
+    }
     req = urllib.request.Request(
-        url + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.load(r)["choices"][0]["text"]
@@ -76,7 +89,12 @@ def workload(seed: int) -> list[str]:
     for g in range(GROUPS):
         prefix = model_task.examples(seed * 100 + g, [PREFIX])[0].prompt
         for s in range(PER_GROUP):
-            prompts.append(prefix + model_task.examples(seed * 100 + 50 + g * PER_GROUP + s, [SUFFIX])[0].prompt)
+            prompts.append(
+                prefix
+                + model_task.examples(seed * 100 + 50 + g * PER_GROUP + s, [SUFFIX])[
+                    0
+                ].prompt
+            )
     random.Random(seed).shuffle(prompts)
     return prompts
 
@@ -91,15 +109,27 @@ def test_cache_aware_prefill_policy_against_round_robin():
         after = prefill_sources()
         d = {k: after[k] - before[k] for k in after}
         wrong = [(k, g, w) for k, (g, w) in enumerate(zip(got, want)) if g != w]
-        assert not wrong, f"{policy}: outputs differ from the baseline (index, got, want): {wrong}"
+        assert not wrong, (
+            f"{policy}: outputs differ from the baseline (index, got, want): {wrong}"
+        )
         total = sum(d.values())
-        rows.append((policy, len(prompts), total, d["local_cache_hit"], d["local_compute"]))
-    print("\n| prefill policy | requests | prompt tokens | local_cache_hit | computed | hit share |")
+        rows.append(
+            (policy, len(prompts), total, d["local_cache_hit"], d["local_compute"])
+        )
+    print(
+        "\n| prefill policy | requests | prompt tokens | local_cache_hit | computed | hit share |"
+    )
     print("|---|---|---|---|---|---|")
     for policy, n, total, hit, comp in rows:
-        print(f"| {policy} | {n} | {total:.0f} | {hit:.0f} | {comp:.0f} | {hit / total:.2f} |")
+        print(
+            f"| {policy} | {n} | {total:.0f} | {hit:.0f} | {comp:.0f} | {hit / total:.2f} |"
+        )
     rr, ca = rows[0][3], rows[1][3]
-    best = GROUPS * (PER_GROUP - 1) * (PREFIX // 32) * 32  # each group's first request misses, its prefix blocks hit after
-    print(f"cache_aware {ca:.0f} / round_robin {rr:.0f} local_cache_hit tokens; the workload's best is {best}")
+    best = (
+        GROUPS * (PER_GROUP - 1) * (PREFIX // 32) * 32
+    )  # each group's first request misses, its prefix blocks hit after
+    print(
+        f"cache_aware {ca:.0f} / round_robin {rr:.0f} local_cache_hit tokens; the workload's best is {best}"
+    )
     assert ca > 0, "cache_aware routing gave no prefix-cache hit on the prefills"
     assert ca >= rr, f"cache_aware hit {ca:.0f} tokens, round_robin {rr:.0f}"
