@@ -87,11 +87,15 @@ e2e_say "servers ready after $(e2e_elapsed) s; state store $STORE"
 
 # The proxy replicas' command line (the test adds --port): the same
 # instances, the shared store, and an entry lifetime equal to the decodes'
-# decoder_kv_blocks_ttl.
+# decoder_kv_blocks_ttl. The store's calls get 2 s here, not the default
+# 50 ms: with five vLLMs on two cores redis-server is at times not scheduled
+# for longer (seen: takes and puts timing out at 50 ms, load average 12),
+# and the test counts every turn's pull exactly. A timeout's fallback to a
+# full prefill is tested in go test ./proxy/... .
 PROXY_ARGS=$("$PY" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' --multiturn --host 127.0.0.1 --log-level debug \
   --prefiller-hosts 127.0.0.1 127.0.0.1 --prefiller-ports "$P0_PORT" "$P1_PORT" \
   --decoder-hosts 127.0.0.1 127.0.0.1 --decoder-ports "$D0_PORT" "$D1_PORT" \
-  --state-store "$STORE" --decoder-kv-blocks-ttl "$TTL")
+  --state-store "$STORE" --state-store-timeout 2 --decoder-kv-blocks-ttl "$TTL")
 export GONIXL_FLEET_BASELINE="http://127.0.0.1:$A_PORT" GONIXL_FLEET_PROXY_BIN="$PROXY_BIN" GONIXL_FLEET_PROXY_ARGS="$PROXY_ARGS"
 export GONIXL_FLEET_PROXY_PORTS="$XA_PORT $XB_PORT" GONIXL_FLEET_LOGS="$LOGS" GONIXL_E2E_MODEL="$MODEL"
 export GONIXL_FLEET_PREFILLS="http://127.0.0.1:$P0_PORT http://127.0.0.1:$P1_PORT"
