@@ -170,3 +170,46 @@ func TestReplicasShareConversations(t *testing.T) {
 		t.Errorf("the outage was not logged: %s", b.stderr.String())
 	}
 }
+
+// TestReplicasRaceOnOneConversation: two turns of one conversation sent at
+// once, one to each replica, round after round. A decode's params are
+// pulled at most once (two prefills never read the same blocks); when the
+// two turns overlap, one of them finds nothing.
+func TestReplicasRaceOnOneConversation(t *testing.T) {
+	srv := redistest.Start(t)
+	fake := &fleetFake{}
+	hs := httptest.NewServer(fake)
+	defer hs.Close()
+	u, _ := url.Parse(hs.URL)
+	reps := []*replica{startReplica(t, u, srv.URL(0)), startReplica(t, u, srv.URL(0))}
+	misses := 0
+	for round := 0; round < 30; round++ {
+		conv := "race-" + strconv.Itoa(round)
+		reps[0].turn(t, conv) // stores the decode's params
+		var wg sync.WaitGroup
+		for _, r := range reps {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r.turn(t, conv)
+			}()
+		}
+		wg.Wait()
+		fake.mu.Lock()
+		last := fake.pulled[len(fake.pulled)-2:]
+		if last[0] == "" || last[1] == "" {
+			misses++
+		}
+		fake.mu.Unlock()
+	}
+	fake.mu.Lock()
+	defer fake.mu.Unlock()
+	seen := map[string]bool{}
+	for _, id := range fake.pulled {
+		if id != "" && seen[id] {
+			t.Fatalf("the params of %s were pulled twice: %q", id, fake.pulled)
+		}
+		seen[id] = true
+	}
+	t.Logf("30 rounds of two racing turns: %d rounds where one turn found nothing (the turns overlapped)", misses)
+}
