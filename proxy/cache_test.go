@@ -19,9 +19,9 @@ func TestConversationCache(t *testing.T) {
 		want        LookupResult
 	}{
 		{"fresh", 0, Hit},
-		{"just under ttl", 449 * time.Second, Hit},
-		{"exactly ttl", 450 * time.Second, Hit},
-		{"past ttl", 450*time.Second + time.Nanosecond, Stale},
+		{"just under ttl", 479 * time.Second, Hit},
+		{"exactly ttl", 480 * time.Second, Hit},
+		{"past ttl", 480*time.Second + time.Nanosecond, Stale},
 	}
 	for _, tc := range tests {
 		t.Run(tc.description, func(t *testing.T) {

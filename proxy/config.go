@@ -51,9 +51,13 @@ const (
 // server is about to close.
 const DefaultUpstreamIdleTimeout = 4 * time.Second
 
-// DefaultCacheTTL is the multi-turn conversation cache's lifetime; it must stay
-// below the decode side's decoder_kv_blocks_ttl (480 s by default).
-const DefaultCacheTTL = 450 * time.Second
+// DefaultCacheTTL is the lifetime of a conversation's cached decode params:
+// the decode side's decoder_kv_blocks_ttl default (vLLM's and gonixl's,
+// 480 s), the time the decode holds the blocks those params name. An entry
+// is stored a moment after the decode started holding; the prefill checks
+// the decode's own expiry in the params (gonixl_expiry_unix, vLLM's
+// remote_blocks_expiry_time) and computes the prompt when it has passed.
+const DefaultCacheTTL = 480 * time.Second
 
 // Instance is one vLLM OpenAI server.
 type Instance struct {
@@ -97,7 +101,16 @@ type Config struct {
 	ReuseMode             ReuseMode     // default ReuseBidirectional
 	RequireConversationID bool          // reject requests without conversation_id (400)
 	CacheTTL              time.Duration // default DefaultCacheTTL
-	MaxConversations      int           // cache bound; default 1 << 20
+	MaxConversations      int           // in-process cache bound; default 1 << 20
+	// StateStore keeps the conversations' decode params between turns; nil
+	// means an in-process ConversationCache (CacheTTL, MaxConversations,
+	// Clock). A store shared by several proxies (proxy/redisstate) lets a
+	// conversation's turns go through any of them.
+	StateStore StateStore
+	// StateTimeout bounds each call to a StateStore other than a
+	// ConversationCache (default DefaultStateTimeout). A call that fails or
+	// takes longer makes the turn a full prefill, never a client error.
+	StateTimeout time.Duration
 
 	// ConnectTimeout bounds TCP connection set-up to an upstream (default 5 s).
 	ConnectTimeout time.Duration
@@ -182,7 +195,7 @@ func (c *Config) validate() error {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
-	}{{"cache TTL", c.CacheTTL}, {"connect timeout", c.ConnectTimeout}, {"upstream timeout", c.UpstreamTimeout}, {"upstream idle timeout", c.UpstreamIdleTimeout}} {
+	}{{"cache TTL", c.CacheTTL}, {"connect timeout", c.ConnectTimeout}, {"upstream timeout", c.UpstreamTimeout}, {"upstream idle timeout", c.UpstreamIdleTimeout}, {"state timeout", c.StateTimeout}} {
 		if d.v < 0 {
 			errs = append(errs, fmt.Errorf("%s %v is negative", d.name, d.v))
 		}
@@ -202,6 +215,9 @@ func (c *Config) applyDefaults() {
 	}
 	if c.MaxConversations == 0 {
 		c.MaxConversations = 1 << 20
+	}
+	if c.StateTimeout == 0 {
+		c.StateTimeout = DefaultStateTimeout
 	}
 	if c.ConnectTimeout == 0 {
 		c.ConnectTimeout = 5 * time.Second

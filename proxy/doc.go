@@ -11,9 +11,18 @@
 //   - the multi-turn proxy (vLLM's examples/disaggregated/
 //     disaggregated_serving/disagg_proxy_multiturn.py): in addition, the
 //     decode instance's final kv_transfer_params are cached per
-//     conversation_id (single use, 450 s by default) and handed to the prefill
-//     instance on the conversation's next turn, so that the prefill instance
-//     pulls the decode instance's blocks (bidirectional KV transfer).
+//     conversation_id (single use, the decodes' decoder_kv_blocks_ttl: 480 s
+//     by default) and handed to the prefill instance on the conversation's
+//     next turn, so that the prefill instance pulls the decode instance's
+//     blocks (bidirectional KV transfer).
+//
+// The multi-turn state lives behind StateStore (state.go: its rules — single
+// use, turn order, lifetime, no leakage): in this process by default
+// (ConversationCache), or in Redis/Valkey (proxy/redisstate) so that several
+// proxy replicas share conversations and a restarted one forgets none. A
+// shared store's calls are bounded (Config.StateTimeout, 50 ms); one that
+// fails or times out makes the turn a full prefill, logged and counted
+// (gonixl_proxy_state_store_errors_total), never a client error.
 //
 // Prefill and decode instances are chosen by two independent round robins.
 // Both modes serve GET /healthcheck (toy format), GET /health (multi-turn
@@ -52,7 +61,10 @@
 //     kv_transfer_params only in a non-streaming body, its stream chunks have
 //     no such field, so a streamed decode never brought them back. The
 //     decode's body is relayed (with its usage) without the params;
-//   - the conversation cache is bounded (Config.MaxConversations);
+//   - the in-process conversation cache is bounded (Config.MaxConversations);
+//   - of two turns of one conversation in flight at once, the params of the
+//     one that started later are kept, whichever decode answers last (the
+//     reference keeps the last answer);
 //   - GET /v1/models is forwarded to a decode instance, and both health
 //     endpoints and /metrics are served in both modes.
 //
@@ -69,9 +81,10 @@
 // only moves JSON between HTTP servers.
 //
 // Concurrency: a *Proxy is safe for concurrent use by any number of requests
-// (it is an http.Handler). Round-robin counters are atomic; the conversation
-// cache is guarded by a mutex and reads time only through Config.Clock, so tests
-// drive expiry without sleeping. The package starts no goroutines of its own
+// (it is an http.Handler). Round-robin counters are atomic; the in-process
+// conversation cache is guarded by a mutex and reads time only through
+// Config.Clock, so tests drive expiry without sleeping; a shared store keeps
+// its own atomicity (one server-side script per call). The package starts no goroutines of its own
 // beyond those net/http starts per connection and the idle-connection sweep
 // timer of each upstream pool (time.AfterFunc, armed while idle connections
 // exist), and never calls os.Exit or installs signal handlers.

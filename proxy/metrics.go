@@ -18,6 +18,8 @@ const (
 	MetricCacheMisses      = "gonixl_proxy_conversation_cache_misses_total"
 	MetricCacheStale       = "gonixl_proxy_conversation_cache_stale_total"
 	MetricCacheEntries     = "gonixl_proxy_conversation_cache_entries"
+	MetricStateErrors      = "gonixl_proxy_state_store_errors_total"
+	MetricStateSuperseded  = "gonixl_proxy_state_store_superseded_total"
 )
 
 // Roles used as the "role" label.
@@ -36,7 +38,9 @@ type metrics struct {
 	cacheHits       prometheus.Counter
 	cacheMisses     prometheus.Counter
 	cacheStale      prometheus.Counter
-	cacheEntries    prometheus.GaugeFunc
+	cacheEntries    prometheus.GaugeFunc   // nil for a shared store
+	stateErrors     *prometheus.CounterVec // op, reason
+	stateSuperseded prometheus.Counter
 
 	// Series resolved once: a vector's label lookup takes a read lock that
 	// all requests would share.
@@ -96,13 +100,25 @@ func newMetrics(reg prometheus.Registerer, cacheLen func() float64) (*metrics, e
 			Name: MetricCacheStale,
 			Help: "Cache lookups that found an entry older than the TTL (also counted as misses).",
 		}),
-		cacheEntries: prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: MetricCacheEntries,
-			Help: "Conversations with cached decode kv_transfer_params.",
-		}, cacheLen),
+		stateErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: MetricStateErrors,
+			Help: "Conversation state store calls that failed or timed out, by op (take, put) and reason (timeout, error); each failed take is a full prefill.",
+		}, []string{"op", "reason"}),
+		stateSuperseded: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: MetricStateSuperseded,
+			Help: "Decode params not stored because a later turn of the conversation had started.",
+		}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.errors, m.inflight, m.upstreamLatency,
-		m.upstreamTotal, m.cacheHits, m.cacheMisses, m.cacheStale, m.cacheEntries} {
+	cs := []prometheus.Collector{m.requests, m.errors, m.inflight, m.upstreamLatency,
+		m.upstreamTotal, m.cacheHits, m.cacheMisses, m.cacheStale, m.stateErrors, m.stateSuperseded}
+	if cacheLen != nil {
+		m.cacheEntries = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: MetricCacheEntries,
+			Help: "Conversations with cached decode kv_transfer_params (in-process store).",
+		}, cacheLen)
+		cs = append(cs, m.cacheEntries)
+	}
+	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

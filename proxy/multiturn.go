@@ -42,11 +42,12 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 	}
 	params := []byte(emptyPrefillParams)
 	result := Miss
+	var turn uint64 // this turn's number in the state store; 0: none
 	if conv != "" && p.cfg.ReuseMode == ReuseBidirectional {
-		var cached []byte
-		cached, result = p.cache.Take(conv)
+		t := p.takeState(ex, conv)
+		result, turn = t.Result, t.Turn
 		if result == Hit {
-			b, err := forPrefillPull(cached)
+			b, err := forPrefillPull(t.Params)
 			if err != nil { // cannot happen: the cache only holds objects
 				ex.logAt(zapcore.WarnLevel, "dropping unusable cached params", zap.Error(err))
 				result = Miss
@@ -64,7 +65,7 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 	default:
 		p.m.cacheMisses.Inc()
 	}
-	ex.logAt(zapcore.DebugLevel, "conversation cache", zap.String("conversation_id", conv), zap.Stringer("result", result))
+	ex.logAt(zapcore.DebugLevel, "conversation cache", zap.String("conversation_id", conv), zap.Stringer("result", result), zap.Uint64("turn", turn))
 
 	pi := p.nextPrefill()
 	pbody, err := multiturnPrefillBody(ex.body, params)
@@ -128,8 +129,7 @@ func (p *Proxy) serveMultiturn(ex *exchange) {
 		if err != nil {
 			return
 		}
-		p.cache.Put(conv, b)
-		ex.logAt(zapcore.DebugLevel, "cached decode kv_transfer_params", zap.String("conversation_id", conv))
+		p.putState(ex, conv, turn, b)
 	}
 
 	br := readers.Get().(*bufio.Reader)

@@ -121,12 +121,12 @@ func TestMultiturnCacheHitMissExpiry(t *testing.T) {
 	if kv := turn("c2"); !reflect.DeepEqual(kv, emptyParams()) {
 		t.Errorf("other conversation got %v", kv)
 	}
-	// Expiry: 450 s is still fresh, beyond is stale.
-	r.advance(450 * time.Second)
+	// Expiry: 480 s (decoder_kv_blocks_ttl's default) is still fresh, beyond is stale.
+	r.advance(480 * time.Second)
 	if kv := turn("c1"); !reflect.DeepEqual(kv, cachedForP) {
 		t.Errorf("entry aged exactly the TTL not used: %v", kv)
 	}
-	r.advance(450*time.Second + time.Millisecond)
+	r.advance(480*time.Second + time.Millisecond)
 	if kv := turn("c1"); !reflect.DeepEqual(kv, emptyParams()) {
 		t.Errorf("stale entry used: %v", kv)
 	}

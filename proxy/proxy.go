@@ -28,7 +28,8 @@ type Proxy struct {
 	clients map[Instance]upstreamClient // one per upstream instance, as the reference's httpx clients
 	owned   []*http.Transport           // transports New made, closed by Close
 	pools   []*leanPool                 // lean clients New made, closed by Close
-	cache   *ConversationCache
+	state   StateStore
+	cache   *ConversationCache // the in-process store, when it is the one in use
 	m       *metrics
 	mux     *http.ServeMux
 	models  *httputil.ReverseProxy
@@ -37,6 +38,8 @@ type Proxy struct {
 	decodeRR  atomic.Uint64
 
 	warnNoConvOnce sync.Once
+	localState     bool        // the state store is the in-process cache (its calls never wait)
+	stateDown      atomic.Bool // the last state store call failed
 
 	pushMu  sync.Mutex
 	pushIDs map[Instance]pushIdentity // push mode: what each prefill said it is
@@ -83,8 +86,20 @@ func New(cfg Config) (*Proxy, error) {
 		p.pools = append(p.pools, lp)
 		p.clients[in] = lp
 	}
-	p.cache = NewConversationCache(cfg.CacheTTL, cfg.MaxConversations, cfg.Clock)
-	m, err := newMetrics(cfg.Registry, func() float64 { return float64(p.cache.Len()) })
+	var cacheLen func() float64
+	if cfg.StateStore == nil {
+		p.cache = NewConversationCache(cfg.CacheTTL, cfg.MaxConversations, cfg.Clock)
+		p.state, p.localState = p.cache, true
+		cacheLen = func() float64 { return float64(p.cache.Len()) }
+	} else {
+		p.state = cfg.StateStore
+		p.cache, p.localState = nil, false
+		if c, ok := cfg.StateStore.(*ConversationCache); ok {
+			p.cache, p.localState = c, true
+			cacheLen = func() float64 { return float64(c.Len()) }
+		}
+	}
+	m, err := newMetrics(cfg.Registry, cacheLen)
 	if err != nil {
 		return nil, fmt.Errorf("proxy metrics: %w", err)
 	}
@@ -133,8 +148,12 @@ func (p *Proxy) Close() {
 	}
 }
 
-// Cache returns the multi-turn conversation cache.
+// Cache returns the in-process conversation cache, or nil when the proxy
+// keeps its conversation state in another StateStore.
 func (p *Proxy) Cache() *ConversationCache { return p.cache }
+
+// State returns the conversation state store in use.
+func (p *Proxy) State() StateStore { return p.state }
 
 func (p *Proxy) nextPrefill() Instance {
 	return p.cfg.Prefill[(p.prefillRR.Add(1)-1)%uint64(len(p.cfg.Prefill))]
@@ -153,6 +172,11 @@ func (p *Proxy) serveHealthcheck(w http.ResponseWriter, _ *http.Request) {
 }
 
 func (p *Proxy) serveHealth(w http.ResponseWriter, _ *http.Request) {
+	if p.cache == nil {
+		// A shared store expires its own entries and is not counted here.
+		writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "state_store": p.state.String()})
+		return
+	}
 	evicted := p.cache.EvictStale()
 	writeJSON(w, http.StatusOK, map[string]any{
 		"status":               "ok",

@@ -52,7 +52,10 @@ var rules = []rule{
 	{prefix: "nixl", internal: nil},
 	{prefix: "sidechannel", internal: nil, external: concat(logging, []string{"github.com/vmihailenco/msgpack/v5"})},
 	{prefix: "proxy", internal: nil, external: concat(logging, metrics)},
-	{prefix: "cmd/gonixl-proxy", internal: []string{"proxy"}, external: concat(logging, metrics)},
+	// The shared conversation state: the proxy's StateStore in Redis/Valkey.
+	{prefix: "proxy/redisstate", internal: []string{"proxy"}, external: []string{"github.com/redis/go-redis/v9"}},
+	{prefix: "proxy/redisstate/redistest", internal: nil},
+	{prefix: "cmd/gonixl-proxy", internal: []string{"proxy", "proxy/redisstate"}, external: concat(logging, metrics)},
 	{prefix: "cmd/gonixl-bench", internal: []string{"nixl", "nixl/..."}, external: concat(logging, metrics)},
 	{prefix: "tests/", internal: []string{"..."}, external: []string{""}, cgo: true, unsafe: true},
 	{prefix: "tests", internal: nil},

@@ -41,7 +41,10 @@ var optSpecs = []optSpec{
 	{[]string{"--multiturn"}, flagOnly, nil, "multi-turn proxy (disagg_proxy_multiturn.py) instead of the toy proxy"},
 	{[]string{"--reuse-mode"}, one, []string{"bidirectional"}, "multi-turn: bidirectional (cache decode params per conversation) or oneway"},
 	{[]string{"--require-conversation-id"}, flagOnly, nil, "multi-turn: reject requests without conversation_id (400 missing_conversation_id)"},
-	{[]string{"--cache-ttl"}, one, []string{"450"}, "multi-turn: seconds a conversation's cached decode params stay usable (keep below decoder_kv_blocks_ttl)"},
+	{[]string{"--decoder-kv-blocks-ttl", "--cache-ttl"}, one, []string{"480"}, "multi-turn: seconds a conversation's decode params are kept: the decodes' decoder_kv_blocks_ttl (the prefill also checks the decode's expiry in the params)"},
+	{[]string{"--state-store"}, one, []string{"memory"}, "multi-turn: where conversations' decode params are kept between turns: memory (this process) or a Redis/Valkey URL shared by several proxies (redis://host:port/db, rediss://..., unix:///path?db=N)"},
+	{[]string{"--state-store-timeout"}, one, []string{"0.05"}, "multi-turn: seconds each call to a Redis/Valkey state store may take; a store that fails or is slower makes the turn a full prefill (counted in gonixl_proxy_state_store_errors_total)"},
+	{[]string{"--state-key-prefix"}, one, []string{"gonixl:conv:"}, "multi-turn: prefix of the state store's keys (proxies that share conversations use the same prefix and database)"},
 	{[]string{"--connect-timeout"}, one, []string{"5"}, "seconds to wait for an upstream TCP connection"},
 	{[]string{"--upstream-timeout"}, one, []string{"300"}, "seconds to wait for an upstream's response headers, a whole prefill, or the next chunk of a decode stream"},
 	{[]string{"--upstream-idle-timeout"}, one, []string{"4"}, "seconds an idle upstream connection is kept for reuse; keep below vLLM's keep-alive timeout (5 s)"},
@@ -157,6 +160,10 @@ type options struct {
 	listenPort int
 	cfg        proxy.Config
 	logLevel   string
+	// stateURL is --state-store when it is not "memory"; main opens the
+	// store (proxy/redisstate) with stateKeyPrefix.
+	stateURL       string
+	stateKeyPrefix string
 }
 
 func parseInts(opt string, vs []string) ([]int, error) {
@@ -219,8 +226,21 @@ func buildOptions(args []string, apiKey string) (*options, error) {
 	default:
 		return nil, fmt.Errorf("--reuse-mode: %q is not oneway or bidirectional", rm)
 	}
-	if o.cfg.CacheTTL, err = parseSeconds("--cache-ttl", vals["--cache-ttl"][0]); err != nil {
+	if o.cfg.CacheTTL, err = parseSeconds("--decoder-kv-blocks-ttl", vals["--decoder-kv-blocks-ttl"][0]); err != nil {
 		return nil, err
+	}
+	if o.cfg.StateTimeout, err = parseSeconds("--state-store-timeout", vals["--state-store-timeout"][0]); err != nil {
+		return nil, err
+	}
+	switch st := vals["--state-store"][0]; {
+	case st == "memory":
+	case strings.HasPrefix(st, "redis://"), strings.HasPrefix(st, "rediss://"), strings.HasPrefix(st, "unix://"):
+		o.stateURL = st
+	default:
+		return nil, fmt.Errorf("--state-store: %q is not memory or a redis://, rediss:// or unix:// URL", st)
+	}
+	if o.stateKeyPrefix = vals["--state-key-prefix"][0]; o.stateKeyPrefix == "" {
+		return nil, errors.New("--state-key-prefix: empty")
 	}
 	if o.cfg.ConnectTimeout, err = parseSeconds("--connect-timeout", vals["--connect-timeout"][0]); err != nil {
 		return nil, err

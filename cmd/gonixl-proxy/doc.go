@@ -16,7 +16,8 @@
 // SIGINT or SIGTERM shut it down gracefully (in-flight requests get 10 s).
 // Unless GOGC is set, the garbage collector target is 400.
 //
-// Imports: the proxy package, zap and the standard library. The command owns
+// Imports: the proxy package, proxy/redisstate (--state-store redis://...),
+// zap and the standard library. The command owns
 // the process: it installs the signal handlers and chooses the exit status
 // (0 after a clean shutdown, 1 when serving fails, 2 for a bad command line).
 package main

@@ -19,6 +19,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/gonixl/gonixl/proxy"
+	"github.com/gonixl/gonixl/proxy/redisstate"
 )
 
 func main() {
@@ -70,6 +71,26 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 	defer func() { _ = log.Sync() }()
 	opts.cfg.Logger = log
 
+	if opts.stateURL != "" {
+		rlog := log.Named("redis")
+		redisstate.SetLogger(func(format string, args ...any) { rlog.Debug(fmt.Sprintf(format, args...)) })
+		st, err := redisstate.New(redisstate.Options{URL: opts.stateURL, Prefix: opts.stateKeyPrefix,
+			TTL: opts.cfg.CacheTTL, Timeout: opts.cfg.StateTimeout})
+		if err != nil {
+			fmt.Fprintln(stderr, "gonixl-proxy:", err)
+			return 2
+		}
+		defer st.Close()
+		// Not fatal: turns are full prefills until the store answers.
+		pctx, cancel := context.WithTimeout(ctx, time.Second)
+		if err := st.Ping(pctx); err != nil {
+			log.Warn("conversation state store does not answer (turns are full prefills until it does)",
+				zap.Stringer("store", st), zap.Error(err))
+		}
+		cancel()
+		opts.cfg.StateStore = st
+	}
+
 	p, err := proxy.New(opts.cfg)
 	if err != nil {
 		fmt.Fprintln(stderr, "gonixl-proxy:", err)
@@ -92,8 +113,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, ready fun
 	go func() { served <- srv.Serve(ln) }()
 
 	addr := ln.Addr().String()
+	state := "memory"
+	if opts.cfg.StateStore != nil {
+		state = opts.cfg.StateStore.String()
+	}
 	log.Info("listening on "+addr,
 		zap.String("mode", opts.cfg.Mode.String()),
+		zap.String("state_store", state),
 		zap.Stringers("prefill", opts.cfg.Prefill),
 		zap.Stringers("decode", opts.cfg.Decode))
 	if ready != nil {

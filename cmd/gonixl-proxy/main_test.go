@@ -34,8 +34,11 @@ func TestParseArgs(t *testing.T) {
 			if want := []proxy.Instance{{Host: "localhost", Port: 8200}}; !reflect.DeepEqual(o.cfg.Decode, want) {
 				t.Errorf("decode %v", o.cfg.Decode)
 			}
-			if o.cfg.CacheTTL != 450*time.Second || o.cfg.ReuseMode != proxy.ReuseBidirectional {
+			if o.cfg.CacheTTL != 480*time.Second || o.cfg.ReuseMode != proxy.ReuseBidirectional {
 				t.Errorf("ttl %v reuse %v", o.cfg.CacheTTL, o.cfg.ReuseMode)
+			}
+			if o.stateURL != "" || o.cfg.StateTimeout != 50*time.Millisecond || o.stateKeyPrefix != "gonixl:conv:" {
+				t.Errorf("state store %q timeout %v prefix %q", o.stateURL, o.cfg.StateTimeout, o.stateKeyPrefix)
 			}
 		}, ""},
 		{"nargs+ lists and aliases", []string{"--port", "9000", "--prefiller-hosts", "a", "b", "--prefiller-port", "1", "2",
@@ -61,6 +64,15 @@ func TestParseArgs(t *testing.T) {
 				t.Errorf("config %+v", c)
 			}
 		}, ""},
+		{"shared state store", []string{"--multiturn", "--state-store", "redis://10.0.0.5:6379/3", "--state-store-timeout", "0.2",
+			"--decoder-kv-blocks-ttl", "60", "--state-key-prefix", "fleet-a:"}, func(t *testing.T, o *options) {
+			if o.stateURL != "redis://10.0.0.5:6379/3" || o.cfg.StateTimeout != 200*time.Millisecond ||
+				o.cfg.CacheTTL != time.Minute || o.stateKeyPrefix != "fleet-a:" {
+				t.Errorf("state store %q timeout %v ttl %v prefix %q", o.stateURL, o.cfg.StateTimeout, o.cfg.CacheTTL, o.stateKeyPrefix)
+			}
+		}, ""},
+		{"bad state store", []string{"--state-store", "mysql://x"}, nil, "not memory or a redis://"},
+		{"bad state timeout", []string{"--state-store-timeout", "0"}, nil, "not a positive number"},
 		{"host/port count mismatch", []string{"--prefiller-hosts", "a", "b"}, nil,
 			"number of prefiller hosts (2) must match number of prefiller ports (1)"},
 		{"decoder mismatch", []string{"--decoder-ports", "1", "2"}, nil, "number of decoder hosts (1) must match number of decoder ports (2)"},
