@@ -249,7 +249,7 @@ REPORT="$BUILD/test-report"
 stallwatch_start() {
   local out="$ROOT/build/stalls.txt"
   : >"$out"
-  "$PY" tests/e2e/stallwatch.py "$out" &
+  "$PY" tests/e2e/stallwatch.py "$out" "$REPORT/vllm-instances.txt" &
   STALLWATCH_PID=$!
   STALLWATCH_UPTIME0=$(cut -d' ' -f1 /proc/uptime)
 }
@@ -314,6 +314,8 @@ step() {
   [[ $name != e2e-* ]] || baseline_start_pending
   rep="$REPORT/$name.jsonl"
   : >"$rep"
+  local epoch0
+  epoch0=$(date +%s.%N)
   log "step $name: $* ($(date -u +%H:%M:%S), load average $(cut -d' ' -f1-3 /proc/loadavg))"
   (
     export GONIXL_TEST_REPORT="$rep" GONIXL_TEST_STEP="$name"
@@ -321,7 +323,8 @@ step() {
   ) &
   wait $! || rc=$?
   "$PYTHON_BIN" tests/testreport.py check --step "$name" --report "$rep" --rc "$rc" --seconds $((SECONDS - t0)) \
-    --load "$(cut -d' ' -f1-3 /proc/loadavg)" --summary "$REPORT/summary.jsonl" || {
+    --load "$(cut -d' ' -f1-3 /proc/loadavg)" --summary "$REPORT/summary.jsonl" \
+    ${STALLWATCH_PID:+--instances "$REPORT/vllm-instances.txt" --t0 "$epoch0"} || {
     FAILED_STEP="${FAILED_STEP:+$FAILED_STEP, }$name"
     # GONIXL_TEST_KEEP_GOING=1: the next steps still run (the run fails at
     # the end), to see every failure of a change in one run.

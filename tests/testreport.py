@@ -212,7 +212,26 @@ def _short(text: str, n: int = 160) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def check(step: str, report: str, rc: int, seconds: int, load: str, summary: str) -> int:
+def most_alive(instances: str, t0: float, t1: float) -> int | None:
+    """The most vLLM instances alive between t0 and t1 (unix times), from
+    tests/e2e/stallwatch.py's file of count changes; None without one."""
+    if not instances or not os.path.exists(instances):
+        return None
+    most, current = 0, 0
+    with open(instances) as f:
+        for ln in f:
+            try:
+                t, c = float(ln.split()[0]), int(ln.split()[1])
+            except (ValueError, IndexError):
+                continue
+            if t <= t0:
+                current = c
+            elif t <= t1:
+                most = max(most, c)
+    return max(most, current)
+
+
+def check(step: str, report: str, rc: int, seconds: int, load: str, summary: str, alive: int | None = None) -> int:
     """Prints the step's summary line (and what skipped and retried); appends
     the step's row to summary; returns the step's exit status."""
     declared = load_declared()
@@ -244,8 +263,9 @@ def check(step: str, report: str, rc: int, seconds: int, load: str, summary: str
         ": " + "; ".join(f"{n}x {k}" for k, n in why.items()) if why else ""
     )
     head = (
-        f"step {step}: {result} in {seconds} s (load average at its end {load}); "
-        f"skips {len(skips)} ({len(skips) - len(undeclared)} declared); {retry_text}"
+        f"step {step}: {result} in {seconds} s (load average at its end {load}"
+        + (f"; at most {alive} vLLM instances alive" if alive is not None else "")
+        + f"); skips {len(skips)} ({len(skips) - len(undeclared)} declared); {retry_text}"
     )
     if problems:
         head += " -- " + ", ".join(problems)
@@ -273,6 +293,7 @@ def check(step: str, report: str, rc: int, seconds: int, load: str, summary: str
                     "undeclared": len(undeclared),
                     "retries": len(retries),
                     "max_retries": max_retries,
+                    "vllm": alive,
                     "rc": rc,
                     "end": time.time(),
                 }
@@ -285,13 +306,14 @@ def check(step: str, report: str, rc: int, seconds: int, load: str, summary: str
 def table(summary: str, pending: list[str]) -> None:
     rows = read_records(summary)
     w = max([len(r["step"]) for r in rows] + [len(p) for p in pending] + [4])
-    out = ["", f"{'step':<{w}}  {'seconds':>7}  {'load (1/5/15 min) at end':<24}  {'result':<6}  {'skips':<18}  retries"]
+    out = ["", f"{'step':<{w}}  {'seconds':>7}  {'load (1/5/15 min) at end':<24}  {'vLLMs':>5}  {'result':<6}  {'skips':<18}  retries"]
     total = 0
     for r in rows:
         total += r["seconds"]
         skips = f"{r['skips']}" + (f" ({r['undeclared']} undeclared)" if r["undeclared"] else "")
+        alive = "" if r.get("vllm") is None else str(r["vllm"])
         out.append(
-            f"{r['step']:<{w}}  {r['seconds']:>7}  {r['load']:<24}  {r['result']:<6}  {skips:<18}  {r['retries']} of {r['max_retries']} allowed"
+            f"{r['step']:<{w}}  {r['seconds']:>7}  {r['load']:<24}  {alive:>5}  {r['result']:<6}  {skips:<18}  {r['retries']} of {r['max_retries']} allowed"
         )
     for p in pending:
         out.append(f"{p:<{w}}  {'':>7}  {'':<24}  {'not run'}")
@@ -311,6 +333,8 @@ def main() -> None:
     c.add_argument("--seconds", type=int, required=True)
     c.add_argument("--load", required=True)
     c.add_argument("--summary", required=True)
+    c.add_argument("--instances", default="", help="stallwatch.py's file of vLLM instance counts")
+    c.add_argument("--t0", type=float, default=0.0, help="the step's start (unix time)")
     t = sub.add_parser("table", help="the summary table of a run")
     t.add_argument("--summary", required=True)
     t.add_argument("pending", nargs="*")
@@ -319,7 +343,8 @@ def main() -> None:
     if a.cmd == "go":
         go_filter(sys.stdin, sys.stdout)
     elif a.cmd == "check":
-        sys.exit(check(a.step, a.report, a.rc, a.seconds, a.load, a.summary))
+        alive = most_alive(a.instances, a.t0, time.time())
+        sys.exit(check(a.step, a.report, a.rc, a.seconds, a.load, a.summary, alive))
     elif a.cmd == "table":
         table(a.summary, a.pending)
     elif a.cmd == "validate":
