@@ -526,10 +526,11 @@ cmd_test_full() {
   step e2e-interop-llama e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" \
     GONIXL_E2E_LOGS=tests/e2e/logs/interop-llama-28l-gqa
   # Push: gonixl on both sides and with the stock push connector on either
-  # side, over NIXL. A stock push prefill's first request waits for its own
-  # P->D handshake (86 s once on this loaded VM): a longer client timeout.
+  # side, over NIXL (a stock push prefill's first request waits for its own
+  # P->D handshake: 86 s once on this loaded VM, within test_interop.py's
+  # 300 s per request).
   step e2e-push-matrix e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_INTEROP_PUSH=1 \
-    GONIXL_INTEROP_REQUEST_TIMEOUT=300 $ASYNC GONIXL_E2E_LOGS=tests/e2e/logs/push
+    $ASYNC GONIXL_E2E_LOGS=tests/e2e/logs/push
   # TP 2 -> 2 (each decode rank reads the same rank of the prefill).
   step e2e-tp-2to2 e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_TP_COMBOS=ux2-ux2 \
     GONIXL_E2E_LOGS=tests/e2e/logs/tp-2to2

@@ -100,9 +100,12 @@ netns_probe cl p0
 HTTP=8000 SIDE=5600
 
 # kv_config ROLE ENGINE_ID
+# kv_lease_duration 120 s: a request that waits in a starved decode's queue
+# still finds its KV (the link cut's bounds are transfer_timeout's and the
+# proxy's, not the lease's; the fault suite tests lapsed leases).
 kv_config() {
-  printf '{"kv_connector":"GoNixlConnector","kv_connector_module_path":"gonixl.vllm","kv_role":"%s","engine_id":"%s","kv_load_failure_policy":"%s","kv_connector_extra_config":{"transfer_engine":"%s","transfer_timeout":%s,"handshake_timeout":%s}}' \
-    "$1" "$2" "$POLICY" "$ENGINE" "$GONIXL_NETNS_TRANSFER_TIMEOUT" "$GONIXL_NETNS_HANDSHAKE_TIMEOUT"
+  printf '{"kv_connector":"GoNixlConnector","kv_connector_module_path":"gonixl.vllm","kv_role":"%s","engine_id":"%s","kv_load_failure_policy":"%s","kv_connector_extra_config":{"transfer_engine":"%s","transfer_timeout":%s,"handshake_timeout":%s,"kv_lease_duration":%s}}' \
+    "$1" "$2" "$POLICY" "$ENGINE" "$GONIXL_NETNS_TRANSFER_TIMEOUT" "$GONIXL_NETNS_HANDSHAKE_TIMEOUT" "${GONIXL_NETNS_LEASE:-120}"
 }
 
 # netns_start_vllm ROLE [KV_TRANSFER_CONFIG]: vLLM in namespace ROLE, HTTP and
