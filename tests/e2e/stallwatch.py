@@ -30,17 +30,22 @@ API_SERVER = b"vllm.entrypoints.openai.api_server"
 
 
 def vllm_instances() -> int:
-    n = 0
+    """API-server processes whose parent is not one: a process the server
+    forks (its engine core, before it renames itself) has its command line
+    for a moment and is not another instance."""
+    servers: dict[str, str] = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if API_SERVER in f.read():
-                    n += 1
-        except OSError:
+                if API_SERVER not in f.read():
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                servers[pid] = f.read().rsplit(")", 1)[1].split()[1]  # the parent's pid
+        except (OSError, IndexError):
             pass
-    return n
+    return sum(1 for ppid in servers.values() if ppid not in servers)
 
 
 def main() -> None:
