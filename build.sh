@@ -464,14 +464,15 @@ cmd_test() {
 
   # The 28-layer GQA Llama (layer order: layers.10 after layers.9).
   baseline_begin "$LLAMA"
-  # Interop with vLLM's stock NixlConnector: a gonixl prefill (over NIXL)
-  # read by a stock decode; the stock prefill read by a gonixl decode is in
-  # e2e-tp-hybrid below. Against the aggregated baseline, which then
-  # remembers the prompts of the TP and push steps (the first 12 and all 24
-  # of the same list).
-  step e2e-interop e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_INTEROP_COMBOS=go-stock \
-    GONIXL_E2E_LOGS=tests/e2e/logs/interop
+  # Interop with vLLM's stock NixlConnector (gonixl over NIXL): a gonixl
+  # prefill read by a stock decode, against the aggregated baseline, which
+  # then remembers the prompts of the later steps (all 24 of the same list,
+  # or its first 12); then a stock prefill read by a gonixl decode.
+  step e2e-interop-go-stock e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_INTEROP_COMBOS=go-stock \
+    GONIXL_E2E_LOGS=tests/e2e/logs/interop-go-stock
   baseline_cache_only
+  step e2e-interop-stock-go e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_INTEROP_COMBOS=stock-go \
+    GONIXL_E2E_LOGS=tests/e2e/logs/interop-stock-go
   # Push mode (vLLM's NixlPushConnector protocol: the decode registers its
   # blocks, the prefill WRITEs into them; gonixl-proxy --push sends both
   # requests at once), gonixl on both sides over gonixl's UCX engine.
@@ -490,9 +491,16 @@ cmd_test() {
   # The hybrid model (sliding-window and full-attention KV-cache groups,
   # 1 KV head): a stock NixlConnector prefill at TP 2, whose replicated head
   # a gonixl decode at TP 1 reads once (vLLM's own decode refuses that
-  # pairing).
-  step e2e-tp-hybrid e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$HYBRID" GONIXL_TP_COMBOS=stock2-go1 \
-    GONIXL_E2E_LOGS=tests/e2e/logs/tp-hybrid
+  # pairing); then a gonixl prefill at TP 2 (its sliding-window groups send
+  # only their in-window blocks) read by a gonixl decode at TP 1 over the
+  # UCX engine (the duplicate rank notified, not read).
+  baseline_begin "$HYBRID"
+  step e2e-tp-hybrid-stock e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$HYBRID" GONIXL_TP_COMBOS=stock2-go1 \
+    GONIXL_E2E_LOGS=tests/e2e/logs/tp-hybrid-stock
+  baseline_cache_only
+  step e2e-tp-hybrid-2to1 e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$HYBRID" GONIXL_TP_COMBOS=ux2-ux1 \
+    GONIXL_E2E_LOGS=tests/e2e/logs/tp-hybrid-2to1
+  baseline_end
 }
 
 ## test-full: what ./build.sh test leaves out: the full interop, push and TP matrices, multi-turn 2+2 and with stock peers, the netns link cut, the router (about 35 min)
@@ -538,13 +546,12 @@ cmd_test_full() {
   baseline_begin "$HYBRID"
   step e2e-interop-hybrid e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$HYBRID" \
     GONIXL_E2E_LOGS=tests/e2e/logs/interop-hybrid-swa
-  # The hybrid TP set over gonixl's UCX engine (1 KV head < TP 2: replicated
-  # heads), one combination per run (a TP-2 vLLM's workers spin on its
-  # shared-memory broadcast; the whole matrix up at once starved the VM).
+  # The rest of the hybrid TP set over gonixl's UCX engine (1 KV head < TP 2:
+  # replicated heads; ux2-ux1 is in ./build.sh test), one combination per
+  # run (a TP-2 vLLM's workers spin on its shared-memory broadcast; the
+  # whole matrix up at once starved the VM).
   step e2e-tp-hybrid-1to2 e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$HYBRID" GONIXL_TP_COMBOS=ux1-ux2 \
     GONIXL_E2E_LOGS=tests/e2e/logs/tp-hybrid-1to2
-  step e2e-tp-hybrid-2to1 e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$HYBRID" GONIXL_TP_COMBOS=ux2-ux1 \
-    GONIXL_E2E_LOGS=tests/e2e/logs/tp-hybrid-2to1
   baseline_end
 }
 
