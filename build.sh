@@ -580,7 +580,8 @@ cmd_fuzz() {
     sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' "$f" | sed "s|^|./$(dirname "${f#./}") |"
   done)
   log "fuzz: Hypothesis on the scheduler entry points (GONIXL_FUZZ_EXAMPLES=${GONIXL_FUZZ_EXAMPLES:-5000})"
-  GONIXL_FUZZ_EXAMPLES="${GONIXL_FUZZ_EXAMPLES:-5000}" "$PY" -m pytest -q tests/python/test_fuzz_scheduler.py
+  # Strict: every bug class Hypothesis finds fails the run (none tolerated).
+  GONIXL_FUZZ_STRICT=1 GONIXL_FUZZ_EXAMPLES="${GONIXL_FUZZ_EXAMPLES:-5000}" "$PY" -m pytest -q tests/python/test_fuzz_scheduler.py
 }
 
 ## test-router: prefill and decode vLLM with GoNixlConnector behind vllm-router's P/D mode, against the aggregated baseline
