@@ -405,7 +405,7 @@ HYBRID="$ROOT/tests/fixtures/geometry/hybrid-swa"
 # variable changes nothing).
 ASYNC=GONIXL_TEST_ASYNC_SCHEDULING=1
 
-## test: everything CI runs (setup, check and build first; about 25 min on 2 cores, README)
+## test: everything CI runs (setup, check and build first; 17-24 min on a fresh clone here, README)
 cmd_test() {
   run_begin test
   step setup cmd_setup
@@ -465,14 +465,13 @@ cmd_test() {
   # The 28-layer GQA Llama (layer order: layers.10 after layers.9).
   baseline_begin "$LLAMA"
   # Interop with vLLM's stock NixlConnector (gonixl over NIXL): a gonixl
-  # prefill read by a stock decode, against the aggregated baseline, which
-  # then remembers the prompts of the later steps (all 24 of the same list,
-  # or its first 12); then a stock prefill read by a gonixl decode.
+  # prefill read by a stock decode (a stock prefill read by a gonixl decode:
+  # e2e-tp-hybrid-stock below), against the aggregated baseline, which then
+  # remembers the prompts of the later steps (all 24 of the same list, or
+  # its first 12).
   step e2e-interop-go-stock e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_INTEROP_COMBOS=go-stock \
     GONIXL_E2E_LOGS=tests/e2e/logs/interop-go-stock
   baseline_cache_only
-  step e2e-interop-stock-go e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_INTEROP_COMBOS=stock-go \
-    GONIXL_E2E_LOGS=tests/e2e/logs/interop-stock-go
   # Push mode (vLLM's NixlPushConnector protocol: the decode registers its
   # blocks, the prefill WRITEs into them; gonixl-proxy --push sends both
   # requests at once), gonixl on both sides over gonixl's UCX engine.
@@ -503,7 +502,7 @@ cmd_test() {
   baseline_end
 }
 
-## test-full: what ./build.sh test leaves out: the full interop, push and TP matrices, multi-turn 2+2 and with stock peers, the netns link cut, the router (about 35 min)
+## test-full: what ./build.sh test leaves out: the full interop, push and TP matrices, multi-turn 2+2 and with stock peers, the netns link cut, the router (about 20 min)
 cmd_test_full() {
   run_begin test-full
   step setup cmd_setup
