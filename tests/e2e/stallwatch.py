@@ -11,8 +11,8 @@ the kernel's own lockup reports of the same time (dmesg, where readable),
 after the test's output.
 
 With INSTANCES_FILE it also counts the vLLM instances alive (processes
-running vLLM's OpenAI API server: one per instance, whatever its TP or DP
-size) and appends "<unix time> <count>" each time the count changes;
+running vLLM's OpenAI API server, `python -m vllm.entrypoints.openai.api_server`
+or `vllm serve`: one per instance, whatever its TP or DP size) and appends "<unix time> <count>" each time the count changes;
 tests/testreport.py reports the most alive during each step. Pure standard
 library.
 """
@@ -39,8 +39,11 @@ def vllm_instances() -> int:
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if API_SERVER not in f.read():
-                    continue
+                argv = f.read().split(b"\0")
+            # python -m vllm.entrypoints.openai.api_server ..., or vllm serve ...
+            serve = len(argv) > 1 and argv[0].endswith(b"vllm") and argv[1] == b"serve"
+            if not serve and API_SERVER not in b"\0".join(argv):
+                continue
             with open(f"/proc/{pid}/stat") as f:
                 servers[pid] = f.read().rsplit(")", 1)[1].split()[1]  # the parent's pid
         except (OSError, IndexError):
