@@ -41,7 +41,8 @@ def vllm_instances() -> int:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
             # python -m vllm.entrypoints.openai.api_server ..., or vllm serve ...
-            serve = len(argv) > 1 and argv[0].endswith(b"vllm") and argv[1] == b"serve"
+            # (through its script's shebang: python .../bin/vllm serve ...)
+            serve = any(a.endswith(b"vllm") and b == b"serve" for a, b in zip(argv, argv[1:]))
             if not serve and API_SERVER not in b"\0".join(argv):
                 continue
             with open(f"/proc/{pid}/stat") as f:
