@@ -327,9 +327,13 @@ func gonixl_scheduler_pending_block_frees(h C.gonixl_scheduler_t, out *C.int32_t
 		if out == nil {
 			return errorf(statusInvalidArg, "out is NULL")
 		}
+		pending, fenced := s.PendingBlockFreesFenced()
 		*out = 0
-		if s.PendingBlockFrees() {
-			*out = 1
+		if pending {
+			*out |= 1
+		}
+		if fenced {
+			*out |= 2
 		}
 		return nil
 	})
@@ -439,6 +443,17 @@ func gonixl_worker_start_load_kv(h C.gonixl_worker_t, meta *C.char, n C.size_t, 
 func gonixl_worker_get_finished(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return onWorker(h, cerr, func(w *shim.Worker) error {
 		return consume(pendingKey{uint64(h), "get_finished", ""}, buf, lenp, w.GetFinished)
+	})
+}
+
+//export gonixl_worker_handle_preemptions
+func gonixl_worker_handle_preemptions(h C.gonixl_worker_t, meta *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onWorker(h, cerr, func(w *shim.Worker) error {
+		b, err := readIn(meta, n, "meta")
+		if err != nil {
+			return err
+		}
+		return w.HandlePreemptions(b)
 	})
 }
 

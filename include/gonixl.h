@@ -170,9 +170,11 @@ gonixl_status_t gonixl_scheduler_push_prompt_done(gonixl_scheduler_t h, char *re
 gonixl_status_t gonixl_scheduler_push_preempted(gonixl_scheduler_t h, char *req_ids_json,
                                                 size_t json_len, gonixl_error_t *err);
 
-/* pending_block_frees (vLLM's has_pending_block_frees): *out 1 while a request
- * announced by push_prompt_done has not been finished (its early WRITE may
- * read its blocks: vLLM must not preempt it), else 0. */
+/* pending_block_frees (vLLM's has_pending_block_frees): bit 1 of *out is set
+ * while a request announced by push_prompt_done has not been finished (its
+ * early WRITE may read its blocks: vLLM must not preempt it); bit 2 when the
+ * call handed announcements too old to trust to the workers as preemptions
+ * (the next step's metadata needs gonixl_worker_handle_preemptions). */
 gonixl_status_t gonixl_scheduler_pending_block_frees(gonixl_scheduler_t h, int32_t *out,
                                                      gonixl_error_t *err);
 
@@ -215,6 +217,15 @@ gonixl_status_t gonixl_worker_register_kv_caches(gonixl_worker_t h, char *init_j
 /* The encoded handshake payload this rank serves. Size-negotiated. */
 gonixl_status_t gonixl_worker_handshake_payload(gonixl_worker_t h, char *buf, size_t *len,
                                                 gonixl_error_t *err);
+
+/* handle_preemptions (vLLM's handle_preemptions, called before the step's
+ * forward): a step's metadata from gonixl_scheduler_build_meta that names
+ * preempted announced requests (the scheduler's push_preempted, or bit 2 of
+ * pending_block_frees). A WRITE of their blocks not posted is dropped, one in
+ * flight is waited for (bounded by transfer_timeout): the forward may give the
+ * blocks another request's KV. */
+gonixl_status_t gonixl_worker_handle_preemptions(gonixl_worker_t h, char *meta, size_t meta_len,
+                                                 gonixl_error_t *err);
 
 /* start_load_kv: one step's metadata from gonixl_scheduler_build_meta. Posts
  * READs and heartbeats; never blocks on the network. */

@@ -126,9 +126,18 @@ func (s *Scheduler) PushPreempted(reqIDs []string) {
 // waits a step instead of preempting (which would free blocks the WRITE
 // reads).
 func (s *Scheduler) PendingBlockFrees() bool {
+	pending, _ := s.PendingBlockFreesFenced()
+	return pending
+}
+
+// PendingBlockFreesFenced is PendingBlockFrees, and whether it handed
+// stale announcements to the workers as preemptions (the next step's
+// metadata then needs vLLM's handle_preemptions).
+func (s *Scheduler) PendingBlockFreesFenced() (pending, fenced bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.clock()
+	before := len(s.pushs.preempted)
 	for id, t := range s.pushs.announced {
 		if now-t > pushAnnounceStale {
 			// vLLM may preempt it from now on without telling: the
@@ -140,7 +149,7 @@ func (s *Scheduler) PendingBlockFrees() bool {
 			s.log.Warn("push: an announced request was not finished within its step; it no longer holds preemption off, and its early WRITE is dropped", zap.String("req_id", id))
 		}
 	}
-	return len(s.pushs.announced) > 0
+	return len(s.pushs.announced) > 0, len(s.pushs.preempted) > before
 }
 
 // pushAnnouncedLocked reports (and forgets) whether reqID was announced

@@ -131,6 +131,9 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     # gonixl_status_t gonixl_worker_handshake_payload(gonixl_worker_t h, char *buf, size_t *len,
     #     gonixl_error_t *err);
     ("gonixl_worker_handshake_payload", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_worker_handle_preemptions(gonixl_worker_t h, char *meta, size_t meta_len,
+    #     gonixl_error_t *err);
+    ("gonixl_worker_handle_preemptions", status_t, [handle_t, buf, size, error_p]),
     # gonixl_status_t gonixl_worker_start_load_kv(gonixl_worker_t h, char *meta, size_t meta_len,
     #     gonixl_error_t *err);
     ("gonixl_worker_start_load_kv", status_t, [handle_t, buf, size, error_p]),

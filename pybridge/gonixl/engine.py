@@ -242,11 +242,13 @@ class Scheduler:
         if j != b"[]":
             _lib.call("gonixl_scheduler_push_preempted", self.handle, j, len(j))
 
-    def pending_block_frees(self) -> bool:
-        """vLLM's has_pending_block_frees (push mode's announced prompts)."""
+    def pending_block_frees(self) -> tuple[bool, bool]:
+        """vLLM's has_pending_block_frees (push mode's announced prompts),
+        and whether the call handed stale announcements to the workers as
+        preemptions."""
         out = ctypes.c_int32(0)
         _lib.call("gonixl_scheduler_pending_block_frees", self.handle, ctypes.byref(out))
-        return bool(out.value)
+        return bool(out.value & 1), bool(out.value & 2)
 
     def build_meta(self) -> bytes:
         """This step's metadata for the workers; b"" for an idle step (no
@@ -337,6 +339,9 @@ class Worker:
         j = json.dumps(init).encode()
         _lib.call("gonixl_worker_register_kv_caches", self.handle, j, len(j))
         return _lib.call_bytes("gonixl_worker_handshake_payload", self.handle)
+
+    def handle_preemptions(self, meta: bytes) -> None:
+        _lib.call("gonixl_worker_handle_preemptions", self.handle, meta, len(meta))
 
     def start_load_kv(self, meta: bytes) -> None:
         _lib.call("gonixl_worker_start_load_kv", self.handle, meta, len(meta))

@@ -125,6 +125,7 @@ class GoNixlConnectorMetadata(KVConnectorMetadata):
         save: Optional[dict[str, list[int]]] = None,
         recv: Optional[dict[str, list[int]]] = None,
         push_early: bool = False,
+        preempted: bool = False,
     ):
         self.data = data
         self.save = save or {}
@@ -132,6 +133,9 @@ class GoNixlConnectorMetadata(KVConnectorMetadata):
         # Push mode: this step completes prompts whose WRITE the workers
         # post once its forward is done (gonixl_scheduler_push_prompt_done).
         self.push_early = push_early
+        # Push mode: announced prompts vLLM preempted; the workers fence
+        # their WRITEs in handle_preemptions, before the step's forward.
+        self.preempted = preempted
 
 
 #: Test knob: host staging on vLLM's CPU platform, where vLLM never stages
@@ -423,6 +427,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._push_early: dict[str, tuple["Request", list[list[int]]]] = {}
         self._push_early_seen: set[str] = set()
+        # The next step's metadata carries preemptions for the workers.
+        self._fence_next = False
         self._kv_on_cuda = False
         # Calls skipped while they have nothing to do: the scheduler's
         # build_meta until a scheduler call changes its state (an idle step),
@@ -690,6 +696,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         ids = preempted & self._push_early_seen
         if ids:
             self._sched_dirty = True
+            self._fence_next = True
             self._scheduler().push_preempted(sorted(ids))
 
     def has_pending_block_frees(self) -> bool:
@@ -698,7 +705,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         read its blocks, and vLLM waits a step instead (push mode)."""
         if not self._push_early_seen or self._sched is None or not self._sched.handle:
             return False
-        return self._sched.pending_block_frees()
+        pending, fenced = self._sched.pending_block_frees()
+        if fenced:
+            self._sched_dirty = True
+            self._fence_next = True
+        return pending
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         if self._push_early_seen:
@@ -714,8 +725,9 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             data = b""
         self._push_registering.clear()  # handed to the worker with this step
+        preempted, self._fence_next = self._fence_next and bool(data), False
         if not self._staging:
-            return GoNixlConnectorMetadata(data, push_early=push_early)
+            return GoNixlConnectorMetadata(data, push_early=push_early, preempted=preempted)
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
         # As vLLM's _build_save_meta: a prefill for a remote decode saves
@@ -730,7 +742,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             if req.num_computed_tokens + scheduled >= req.num_prompt_tokens:
                 del self._need_save[req_id]
         recv, self._stage_recv = self._stage_recv, {}
-        return GoNixlConnectorMetadata(data, save=save, recv=recv)
+        return GoNixlConnectorMetadata(data, save=save, recv=recv, preempted=preempted)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         if self._push_sending and connector_output.finished_sending:
@@ -897,6 +909,14 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
         return self._handshake
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM calls this before the step's forward: WRITEs of announced
+        prompts vLLM preempted are dropped or waited for before the forward
+        can give their blocks another request's KV (push mode)."""
+        meta = kv_connector_metadata
+        if isinstance(meta, GoNixlConnectorMetadata) and meta.preempted and meta.data:
+            self._work().handle_preemptions(meta.data)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -233,8 +233,9 @@ def test_request_finished_returns_vllms_kv_transfer_params(pd):
     p, d = pd
     pre, dr, _ = transfer(p, d, "keys", 70)
     params = pre.params
-    # vLLM's keys, plus gonixl's digest of the prompt the blocks hold.
-    assert set(params) == vllm_request_finished_keys() | {"gonixl_prompt_digest"}, sorted(params)
+    # vLLM's keys, plus gonixl's digest of the prompt the blocks hold and
+    # the id of the process that holds them (docs/PROTOCOL.md).
+    assert set(params) == vllm_request_finished_keys() | {"gonixl_prompt_digest", "gonixl_instance"}, sorted(params)
     assert params["gonixl_prompt_digest"] == gonixl.vllm.prompt_digest(pre.req.prompt_token_ids, 70)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_block_ids"] == [pre.block_ids]  # one list per KV-cache group
@@ -273,7 +274,7 @@ def test_request_finished_without_blocks_or_params(pd):
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, params = p.sched.request_finished(req, [])
     assert delay is False
-    assert params is not None and set(params) == vllm_request_finished_keys()
+    assert params is not None and set(params) == vllm_request_finished_keys() | {"gonixl_instance"}
     assert params["remote_num_tokens"] == 0 and params["do_remote_prefill"] is True
 
 
@@ -286,6 +287,7 @@ def test_params_of_another_prompt_are_never_used(pd):
     pre = h.prefill(p, "owner-p", 70, seed=5.0)
     req = d.request("intruder-d", 70, copy.deepcopy(pre.params), max_tokens=4)
     req.prompt_token_ids[40] = (req.prompt_token_ids[40] + 1) % 60  # one token differs
+    h.run_steps([p, d], 3)  # what earlier tests left is reported first
     stats_before = len(d.out.stats)
     d.add_request(req)
     assert d.sched.get_num_new_matched_tokens(req, 0) == (0, False)

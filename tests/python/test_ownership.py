@@ -182,7 +182,9 @@ def test_push_preemption_of_an_announced_prompt_reaches_the_workers(gv):
         # The next step's scheduling preempted it anyway (reset_prefix_cache).
         so = SchedulerOutput.make_empty()
         so.preempted_req_ids = {"p-2", "someone-else"}
-        m = _meta(conn, so)
+        meta = pickle.loads(pickle.dumps(conn.build_connector_meta(so)))
+        assert meta.preempted, "the step's metadata does not ask the workers' handle_preemptions (before the forward)"
+        m = msgspec.msgpack.decode(meta.data)["m"]
         assert m.get("push_preempted") == ["p-2"], m
         assert conn.has_pending_block_frees() is False
         # Resumed and recomputed, it is not announced again: it finishes as
