@@ -51,6 +51,14 @@ cmd_setup() {
     "$PY" -m pip install -q --no-deps -r requirements.lock
     lock_hash > "$VENV_STAMP"
   fi
+  # The vllm command (tools/vllm-cli) over the CPU build's script, which
+  # dies asking for the "vllm" distribution's version (README, "Pointing
+  # vLLM at gonixl"); again whenever pip put the wheel's script back.
+  if ! grep -q gonixl_vllm_cli "$VENV/bin/vllm" 2>/dev/null; then
+    log "pip install ./tools/vllm-cli into .venv (the vllm command)"
+    "$PY" -m pip install -q --no-deps --no-build-isolation --force-reinstall ./tools/vllm-cli
+    rm -rf tools/vllm-cli/build tools/vllm-cli/*.egg-info
+  fi
   log "go mod download"
   go mod download
 }
