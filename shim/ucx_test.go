@@ -3,6 +3,7 @@ package shim
 import (
 	"bytes"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/gonixl/gonixl/nixl"
@@ -13,13 +14,7 @@ import (
 // TestPrefillToDecodeTransfer on the real UCX engine, in one process, and
 // checks that nothing outside the requested blocks changed.
 func TestPrefillToDecodeOverUCX(t *testing.T) {
-	eng, err := nixl.Lookup("ucx")
-	if err != nil {
-		t.Skipf("ucx engine not built in: %v", err)
-	}
-	if err := eng.Available(); err != nil {
-		t.Skipf("UCX not available on this host: %v", err)
-	}
+	eng := ucxEngine(t)
 	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
 	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
 	before := make([][]byte, len(d.kv.mems))
@@ -61,16 +56,30 @@ func TestPrefillToDecodeOverUCX(t *testing.T) {
 // TestTensorParallelTransfers on the real UCX engine: head slices read from
 // one prefill rank, slots filled from two, and GQA replication.
 func TestTensorParallelOverUCX(t *testing.T) {
-	eng, err := nixl.Lookup("ucx")
-	if err != nil {
-		t.Skipf("ucx engine not built in: %v", err)
-	}
-	if err := eng.Available(); err != nil {
-		t.Skipf("UCX not available on this host: %v", err)
-	}
+	eng := ucxEngine(t)
 	for _, c := range [][3]int{{1, 2, 2}, {2, 1, 2}, {2, 2, 2}, {2, 1, 1}, {1, 4, 2}} {
 		t.Run(fmt.Sprintf("P%d-D%d-heads%d", c[0], c[1], c[2]), func(t *testing.T) {
 			tpTransfer(t, eng, c[0], c[1], c[2], "")
 		})
 	}
+}
+
+// ucxEngine returns the UCX engine. Built without cgo the package has the
+// stub engine, and these tests skip (./build.sh test runs them in its cgo
+// step; tests/declared.toml declares the skip for the CGO_ENABLED=0 one);
+// with cgo, UCX not loading is a failure: it is installed wherever these
+// tests run.
+func ucxEngine(t *testing.T) nixl.Engine {
+	t.Helper()
+	eng, err := nixl.Lookup("ucx")
+	if err != nil {
+		t.Fatalf("ucx engine not registered: %v", err)
+	}
+	if err := eng.Available(); err != nil {
+		if strings.Contains(err.Error(), "built without the UCX binding") {
+			t.Skipf("built without cgo: %v", err)
+		}
+		t.Fatalf("UCX does not load: %v", err)
+	}
+	return eng
 }

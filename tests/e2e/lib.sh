@@ -23,6 +23,21 @@ E2E_T0=$SECONDS
 
 e2e_say() { echo "$E2E_NAME: $*" >&2; }
 
+# e2e_skip REASON: this script cannot run its test here. Prints
+# "SKIP: NAME: REASON", records the skip in the step's report
+# (GONIXL_TEST_REPORT, tests/testreport.py) and exits 0: ./build.sh test
+# then fails the step unless tests/declared.toml declares the skip.
+e2e_skip() {
+  echo "SKIP: $E2E_NAME: $*"
+  if [ -n "${GONIXL_TEST_REPORT:-}" ]; then
+    E2E_NAME="$E2E_NAME" E2E_SKIP_REASON="$*" python3 -c 'import json, os
+rec = {"kind": "skip", "runner": "e2e", "id": os.environ["E2E_NAME"], "reason": os.environ["E2E_SKIP_REASON"], "step": os.environ.get("GONIXL_TEST_STEP", "")}
+with open(os.environ["GONIXL_TEST_REPORT"], "a") as f:
+    f.write(json.dumps(rec, sort_keys=True) + "\n")' || exit 1
+  fi
+  exit 0
+}
+
 # e2e_logs DIR: the log folder (created; earlier *.log files removed).
 e2e_logs() {
   LOGS=$1
@@ -51,11 +66,12 @@ e2e_require() {
 # Ports come from below the kernel's ephemeral range: vLLM binds many
 # internal sockets to OS-chosen ports, which could otherwise take a port
 # between our probe and the server's bind. Ports handed out earlier by this
-# shell are not handed out again.
-E2E_PORTS=" "
+# script are not handed out again: free_port runs in a command substitution
+# (a subshell), so they are kept in a file, not a variable.
+E2E_PORTS_FILE=$(mktemp "${TMPDIR:-/tmp}/gonixl-e2e-ports.XXXXXX")
 free_port() {
   local port
-  port=$(E2E_TAKEN="$E2E_PORTS" "$PY" - <<'PYEOF'
+  port=$(E2E_TAKEN="$(cat "$E2E_PORTS_FILE")" "$PY" - <<'PYEOF'
 import os, random, socket
 taken = set(os.environ.get("E2E_TAKEN", "").split())
 lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
@@ -76,7 +92,7 @@ else:
     raise SystemExit("no free port below the ephemeral range")
 PYEOF
 )
-  E2E_PORTS+="$port "
+  echo "$port" >>"$E2E_PORTS_FILE"
   echo "$port"
 }
 
@@ -85,6 +101,7 @@ PIDS=()
 e2e_cleanup() {
   local rc=$?
   trap - EXIT INT TERM
+  rm -f "$E2E_PORTS_FILE"
   local pid alive _
   for pid in "${PIDS[@]}"; do
     kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
@@ -163,6 +180,49 @@ start_vllm() {
   fi
 }
 
+# e2e_baseline: the aggregated baseline (a vLLM without a connector, the
+# COMMON flags) the outputs are compared with; sets BASELINE_URL. When
+# GONIXL_E2E_SHARED_BASELINE (a URL) is set and GONIXL_E2E_SHARED_BASELINE_MODEL
+# names this MODEL (the same folder), that one, already started by
+# ./build.sh test for the steps of this model (tests/e2e/run_baseline.sh);
+# else one started here, like the other servers. e2e_baseline_wait waits
+# for it either way.
+e2e_baseline() {
+  if [ -n "${GONIXL_E2E_SHARED_BASELINE:-}" ] &&
+    [ "$(realpath -m "${GONIXL_E2E_SHARED_BASELINE_MODEL:-/nonexistent}")" = "$(realpath -m "$MODEL")" ]; then
+    BASELINE_URL=$GONIXL_E2E_SHARED_BASELINE
+    e2e_say "baseline: the shared one at $BASELINE_URL (./build.sh test)"
+  else
+    local port
+    port=$(free_port)
+    start_vllm baseline "$port"
+    BASELINE_PGID=${PIDS[-1]}
+    BASELINE_URL="http://127.0.0.1:$port"
+  fi
+}
+e2e_baseline_wait() { wait_ready baseline "$BASELINE_URL/health"; }
+# e2e_baseline_stop: for a step that has read all it needs from the
+# baseline: stops the one e2e_baseline started here, or switches a shared
+# one to the answers it remembers (its vLLM stopped: the later steps of
+# ./build.sh test that use it ask only prompts it has answered).
+e2e_baseline_stop() {
+  if [ -z "${BASELINE_PGID:-}" ]; then
+    [ -z "${GONIXL_E2E_SHARED_BASELINE:-}" ] || curl -sf -X POST "$BASELINE_URL/_baseline/cache_only" >&2
+    return 0
+  fi
+  local _ keep=() pid
+  kill -TERM -- "-$BASELINE_PGID" 2>/dev/null || true
+  for _ in $(seq 1 50); do
+    kill -0 -- "-$BASELINE_PGID" 2>/dev/null || break
+    sleep 0.2
+  done
+  kill -KILL -- "-$BASELINE_PGID" 2>/dev/null || true
+  for pid in "${PIDS[@]}"; do [ "$pid" = "$BASELINE_PGID" ] || keep+=("$pid"); done
+  PIDS=("${keep[@]}")
+  wait "$BASELINE_PGID" 2>/dev/null || true
+  BASELINE_PGID=
+}
+
 # start_proxy NAME PORT PREFILL_PORT DECODE_PORT: gonixl-proxy (toy mode), at
 # debug level: its per-request "routing" line (after the prefill answered,
 # with how long it took) tells a hung request's side.
@@ -229,8 +289,7 @@ wait_log() {
 # them in GONIXL_INTEROP_TOPOLOGY and runs tests/e2e/test_interop.py.
 interop_matrix_run() {
   local c inst
-  A_PORT=$(free_port)
-  start_vllm baseline "$A_PORT"
+  e2e_baseline
   declare -gA PROXY
   for c in "${COMBOS[@]}"; do
     PROXY[$c]=$(free_port)
@@ -239,14 +298,14 @@ interop_matrix_run() {
   e2e_say "model $MODEL; combinations ${COMBOS[*]}; instances ${!PORT[*]} + baseline; logs in $LOGS"
   for c in "${COMBOS[@]}"; do wait_ready "proxy-$c" "http://127.0.0.1:${PROXY[$c]}/healthcheck"; done
   for inst in "${!PORT[@]}"; do wait_ready "$inst" "http://127.0.0.1:${PORT[$inst]}/health"; done
-  wait_ready baseline "http://127.0.0.1:$A_PORT/health"
+  e2e_baseline_wait
   READY_S=$(e2e_elapsed)
   local topo
   topo=$(
     for inst in "${!PORT[@]}"; do printf 'I %s http://127.0.0.1:%s %s\n' "$inst" "${PORT[$inst]}" "$LOGS/$inst.log"; done
     for c in "${COMBOS[@]}"; do printf 'C %s http://127.0.0.1:%s %s\n' "$c" "${PROXY[$c]}" "$LOGS/proxy-$c.log"; done
   )
-  GONIXL_INTEROP_TOPOLOGY=$(MODEL="$MODEL" BASELINE="http://127.0.0.1:$A_PORT" "$PY" -c '
+  GONIXL_INTEROP_TOPOLOGY=$(MODEL="$MODEL" BASELINE="$BASELINE_URL" "$PY" -c '
 import json, os, sys
 t = {"model": os.environ["MODEL"], "baseline": os.environ["BASELINE"], "instances": {}, "combos": {}}
 for line in sys.stdin.read().splitlines():

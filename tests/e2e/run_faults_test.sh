@@ -117,7 +117,7 @@ export VLLM_HTTP_TIMEOUT_KEEP_ALIVE=120
 P_PORT=$(free_port); P_SIDE=$(free_port)
 DF_PORT=$(free_port); DF_SIDE=$(free_port)
 DR_PORT=$(free_port); DR_SIDE=$(free_port)
-A_PORT=$(free_port); XF_PORT=$(free_port); XR_PORT=$(free_port)
+XF_PORT=$(free_port); XR_PORT=$(free_port)
 
 # The prefill's command line, kept so that the test can start it again on the
 # same ports. A smaller KV cache than the others (the last
@@ -131,7 +131,7 @@ start_vllm decode-fail "$DF_PORT" "$DF_SIDE" "$(kv_config kv_consumer fail)"
 DF_PGID=${PIDS[-1]}
 start_vllm decode-recompute "$DR_PORT" "$DR_SIDE" "$(kv_config kv_consumer recompute)"
 DR_PGID=${PIDS[-1]}
-start_vllm baseline "$A_PORT"
+e2e_baseline
 start_proxy proxy-fail "$XF_PORT" "$P_PORT" "$DF_PORT"
 start_proxy proxy-recompute "$XR_PORT" "$P_PORT" "$DR_PORT"
 e2e_say "model $MODEL, engine $ENGINE, lease ${LEASE}s, transfer_timeout ${TRANSFER_TIMEOUT}s, handshake_timeout ${HANDSHAKE_TIMEOUT}s, data path $GONIXL_UCX_DATA_PATH, UCX_TLS $UCX_TLS; logs in $LOGS"
@@ -141,7 +141,7 @@ wait_ready proxy-recompute "http://127.0.0.1:$XR_PORT/healthcheck"
 wait_ready prefill "http://127.0.0.1:$P_PORT/health"
 wait_ready decode-fail "http://127.0.0.1:$DF_PORT/health"
 wait_ready decode-recompute "http://127.0.0.1:$DR_PORT/health"
-wait_ready baseline "http://127.0.0.1:$A_PORT/health"
+e2e_baseline_wait
 READY_S=$(e2e_elapsed)
 
 GONIXL_FAULTS_PREFILL_CMD=$("$PY" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "${P_CMD[@]}")
@@ -152,7 +152,7 @@ export GONIXL_FAULTS_DECODE_FAIL_LOG="$LOGS/decode-fail.log"
 export GONIXL_FAULTS_DECODE_RECOMPUTE="http://127.0.0.1:$DR_PORT" GONIXL_FAULTS_DECODE_RECOMPUTE_PGID=$DR_PGID
 export GONIXL_FAULTS_DECODE_RECOMPUTE_LOG="$LOGS/decode-recompute.log"
 export GONIXL_FAULTS_PROXY_FAIL="http://127.0.0.1:$XF_PORT" GONIXL_FAULTS_PROXY_RECOMPUTE="http://127.0.0.1:$XR_PORT"
-export GONIXL_FAULTS_BASELINE="http://127.0.0.1:$A_PORT" GONIXL_FAULTS_MODEL="$MODEL"
+export GONIXL_FAULTS_BASELINE="$BASELINE_URL" GONIXL_FAULTS_MODEL="$MODEL"
 export GONIXL_FAULTS_LEASE="$LEASE" GONIXL_FAULTS_TRANSFER_TIMEOUT="$TRANSFER_TIMEOUT"
 export GONIXL_FAULTS_HANDSHAKE_TIMEOUT="$HANDSHAKE_TIMEOUT" GONIXL_FAULTS_READY_TIMEOUT="$WAIT"
 export GONIXL_FAULTS_LOGS="$LOGS" GONIXL_FAULTS_SUMMARY="$SUMMARY" GONIXL_FAULTS_EXTRA_PGIDS="$EXTRA_PGIDS"

@@ -20,7 +20,7 @@
 #   GONIXL_E2E_MODEL        model folder (default tests/fixtures/geometry/llama-28l-gqa
 #                           when it exists, else tests/fixtures/tiny-copy-model)
 #   GONIXL_INTEROP_PROMPTS  prompts per combination (24); GONIXL_INTEROP_CONCURRENCY (4),
-#                           GONIXL_INTEROP_REQUEST_TIMEOUT (120 s): see test_interop.py
+#                           GONIXL_INTEROP_REQUEST_TIMEOUT (300 s): see test_interop.py
 #   GONIXL_E2E_LOGS         log folder (default tests/e2e/logs/interop)
 #   GONIXL_E2E_TIMEOUT      seconds to wait for the servers (600)
 #   GONIXL_INTEROP_GO_ENGINE transfer_engine of the gonixl instances (nixl: the stock

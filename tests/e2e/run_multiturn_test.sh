@@ -20,8 +20,14 @@
 # need gonixl at both ends of a turn (the token digest, the expiry in the
 # params) are skipped there, saying why.
 #
+# GONIXL_MT_FLEET=1x1 runs one prefill and one decode instead (./build.sh
+# test: every turn's prefill then pulls from the one decode; the 2x2 fleet,
+# where a turn's prefill may pull from the decode of another pairing, is in
+# ./build.sh test-full).
+#
 # Environment knobs: GONIXL_E2E_LOGS, GONIXL_E2E_TIMEOUT, GONIXL_E2E_ENGINE
-# (ucx, nixl; default ucx), GONIXL_E2E_MODEL, GONIXL_MT_TTL, GONIXL_MT_INTEROP.
+# (ucx, nixl; default ucx), GONIXL_E2E_MODEL, GONIXL_MT_TTL, GONIXL_MT_LEASE
+# (kv_lease_duration, 120 s), GONIXL_MT_FLEET (2x2 or 1x1), GONIXL_MT_INTEROP.
 set -euo pipefail
 
 E2E_NAME=run_multiturn_test
@@ -37,36 +43,55 @@ COMMON+=(--chat-template "$ROOT/tests/e2e/chat_template.jinja")
 ENGINE="${GONIXL_E2E_ENGINE:-ucx}"
 [ "$INTEROP" = 1 ] && ENGINE=nixl
 TTL="${GONIXL_MT_TTL:-40}"
+# The prefills' lease on the blocks a decode reads (the decodes' TTL is the
+# lease of the history they keep): longer than vLLM's 30 s, so that a turn
+# that waits in a starved decode's queue still finds its KV (this test is
+# about bidirectional transfer; the fault suite tests lapsed leases).
+LEASE="${GONIXL_MT_LEASE:-120}"
 
-P0_PORT=$(free_port); P1_PORT=$(free_port); D0_PORT=$(free_port); D1_PORT=$(free_port); A_PORT=$(free_port); X_PORT=$(free_port)
-P0_SIDE=$(free_port); P1_SIDE=$(free_port); D0_SIDE=$(free_port); D1_SIDE=$(free_port)
-EXTRA="\"bidirectional_kv_xfer\":true,\"decoder_kv_blocks_ttl\":$TTL"
+# The fleet: GONIXL_MT_FLEET prefills x decodes, 2x2 (default) or 1x1.
+case "${GONIXL_MT_FLEET:-2x2}" in
+  2x2) NP=2 ND=2 ;;
+  1x1) NP=1 ND=1 ;;
+  *) e2e_say "GONIXL_MT_FLEET=${GONIXL_MT_FLEET}: want 2x2 or 1x1"; exit 2 ;;
+esac
+[ "$INTEROP" != 1 ] || [ "$NP$ND" = 22 ] || { e2e_say "GONIXL_MT_INTEROP=1 needs GONIXL_MT_FLEET=2x2"; exit 2; }
+X_PORT=$(free_port)
+EXTRA="\"bidirectional_kv_xfer\":true,\"decoder_kv_blocks_ttl\":$TTL,\"kv_lease_duration\":$LEASE"
 go_cfg() { gonixl_kv_config_extra "$1" "$ENGINE" "$EXTRA"; }
 stock_cfg() {
   printf '{"kv_connector":"NixlConnector","kv_role":"%s","kv_buffer_device":"cpu","kv_connector_extra_config":{%s}}' "$1" "$EXTRA"
 }
-P1_CFG=$(go_cfg kv_producer) D0_CFG=$(go_cfg kv_consumer)
-if [ "$INTEROP" = 1 ]; then P1_CFG=$(stock_cfg kv_producer) D0_CFG=$(stock_cfg kv_consumer); fi
-
+P_PORTS=() D_PORTS=() P_URLS=() D_URLS=()
 SAVED=("${COMMON[@]}")
 COMMON+=(--no-enable-prefix-caching)
-start_vllm prefill0 "$P0_PORT" "$P0_SIDE" "$(go_cfg kv_producer)"
-start_vllm prefill1 "$P1_PORT" "$P1_SIDE" "$P1_CFG"
+for i in $(seq 0 $((NP - 1))); do
+  cfg=$(go_cfg kv_producer)
+  [ "$INTEROP" = 1 ] && [ "$i" = 1 ] && cfg=$(stock_cfg kv_producer)
+  P_PORTS+=("$(free_port)")
+  start_vllm "prefill$i" "${P_PORTS[i]}" "$(free_port)" "$cfg"
+  P_URLS+=("http://127.0.0.1:${P_PORTS[i]}")
+done
 COMMON=("${SAVED[@]}")
-start_vllm decode0 "$D0_PORT" "$D0_SIDE" "$D0_CFG"
-start_vllm decode1 "$D1_PORT" "$D1_SIDE" "$(go_cfg kv_consumer)"
-start_vllm baseline "$A_PORT"
+for i in $(seq 0 $((ND - 1))); do
+  cfg=$(go_cfg kv_consumer)
+  [ "$INTEROP" = 1 ] && [ "$i" = 0 ] && cfg=$(stock_cfg kv_consumer)
+  D_PORTS+=("$(free_port)")
+  start_vllm "decode$i" "${D_PORTS[i]}" "$(free_port)" "$cfg"
+  D_URLS+=("http://127.0.0.1:${D_PORTS[i]}")
+done
+e2e_baseline
 start proxy "$PROXY_BIN" --multiturn --host 127.0.0.1 --port "$X_PORT" \
-  --prefiller-hosts 127.0.0.1 127.0.0.1 --prefiller-ports "$P0_PORT" "$P1_PORT" \
-  --decoder-hosts 127.0.0.1 127.0.0.1 --decoder-ports "$D0_PORT" "$D1_PORT" --cache-ttl "$((TTL + 30))" --log-level debug
+  --prefiller-hosts $(printf '127.0.0.1 %.0s' "${P_PORTS[@]}") --prefiller-ports "${P_PORTS[@]}" \
+  --decoder-hosts $(printf '127.0.0.1 %.0s' "${D_PORTS[@]}") --decoder-ports "${D_PORTS[@]}" --cache-ttl "$((TTL + 30))" --log-level debug
 
 wait_ready proxy "http://127.0.0.1:$X_PORT/healthcheck"
-for n in prefill0:$P0_PORT prefill1:$P1_PORT decode0:$D0_PORT decode1:$D1_PORT baseline:$A_PORT; do
-  wait_ready "${n%%:*}" "http://127.0.0.1:${n##*:}/health"
-done
+for i in $(seq 0 $((NP - 1))); do wait_ready "prefill$i" "${P_URLS[i]}/health"; done
+for i in $(seq 0 $((ND - 1))); do wait_ready "decode$i" "${D_URLS[i]}/health"; done
+e2e_baseline_wait
 
-export GONIXL_MT_PROXY="http://127.0.0.1:$X_PORT" GONIXL_MT_BASELINE="http://127.0.0.1:$A_PORT"
-export GONIXL_MT_PREFILLS="http://127.0.0.1:$P0_PORT http://127.0.0.1:$P1_PORT" GONIXL_MT_DECODES="http://127.0.0.1:$D0_PORT http://127.0.0.1:$D1_PORT"
+export GONIXL_MT_PROXY="http://127.0.0.1:$X_PORT" GONIXL_MT_BASELINE="$BASELINE_URL"
+export GONIXL_MT_PREFILLS="${P_URLS[*]}" GONIXL_MT_DECODES="${D_URLS[*]}"
 export GONIXL_MT_LOGS="$LOGS" GONIXL_E2E_MODEL="$MODEL" GONIXL_MT_TTL="$TTL" GONIXL_MT_INTEROP="$INTEROP"
 e2e_say "servers ready after $(e2e_elapsed) s"
 e2e_pytest "$PY" -m pytest -q -rA -s -p no:cacheprovider "$ROOT/tests/e2e/test_multiturn.py"

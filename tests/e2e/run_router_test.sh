@@ -29,16 +29,18 @@ e2e_vllm_args "$MODEL"
 # --enable-log-requests each instance logs the request ids it was given.
 COMMON+=(--chat-template "$ROOT/tests/e2e/chat_template.jinja" --enable-log-requests)
 
-P_PORT=$(free_port); D_PORT=$(free_port); A_PORT=$(free_port); R_PORT=$(free_port); M_PORT=$(free_port)
+P_PORT=$(free_port); D_PORT=$(free_port); R_PORT=$(free_port); M_PORT=$(free_port)
 P_SIDE=$(free_port); D_SIDE=$(free_port)
 
 ENGINE="${GONIXL_E2E_ENGINE:-ucx}"
-start_vllm prefill "$P_PORT" "$P_SIDE" "$(gonixl_kv_config kv_producer "$ENGINE")"
-start_vllm decode "$D_PORT" "$D_SIDE" "$(gonixl_kv_config kv_consumer "$ENGINE")"
-start_vllm baseline "$A_PORT"
+# A lease a starved machine does not outlast (the fault suite tests lapsed ones).
+EXTRA="\"kv_lease_duration\":${GONIXL_E2E_LEASE:-120}"
+start_vllm prefill "$P_PORT" "$P_SIDE" "$(gonixl_kv_config_extra kv_producer "$ENGINE" "$EXTRA")"
+start_vllm decode "$D_PORT" "$D_SIDE" "$(gonixl_kv_config_extra kv_consumer "$ENGINE" "$EXTRA")"
+e2e_baseline
 wait_ready prefill "http://127.0.0.1:$P_PORT/health"
 wait_ready decode "http://127.0.0.1:$D_PORT/health"
-wait_ready baseline "http://127.0.0.1:$A_PORT/health"
+e2e_baseline_wait
 
 # The router after the instances: it checks their /health once at start-up
 # (then every 60 s) and would otherwise wait its --worker-startup-check-interval
@@ -50,7 +52,7 @@ start router "$ROUTER_BIN" --vllm-pd-disaggregation \
   --prometheus-host 127.0.0.1 --prometheus-port "$M_PORT" --worker-startup-check-interval 2
 wait_ready router "http://127.0.0.1:$R_PORT/health"
 
-export GONIXL_E2E_PROXY="http://127.0.0.1:$R_PORT" GONIXL_E2E_BASELINE="http://127.0.0.1:$A_PORT"
+export GONIXL_E2E_PROXY="http://127.0.0.1:$R_PORT" GONIXL_E2E_BASELINE="$BASELINE_URL"
 export GONIXL_E2E_PREFILL="http://127.0.0.1:$P_PORT" GONIXL_E2E_DECODE="http://127.0.0.1:$D_PORT"
 export GONIXL_E2E_DECODE_LOG="$LOGS/decode.log" GONIXL_E2E_PREFILL_LOG="$LOGS/prefill.log" GONIXL_E2E_MODEL="$MODEL"
 export GONIXL_E2E_ROUTER_LOG="$LOGS/router.log" GONIXL_E2E_PROMPTS="${GONIXL_E2E_PROMPTS:-16}"

@@ -16,6 +16,7 @@
 #   GONIXL_SOAK_REQUESTS (default 2000; ./build.sh test runs 500)
 #   GONIXL_SOAK_CONCURRENCY (default 32)
 #   GONIXL_SOAK_LEASE (kv_lease_duration in seconds, default 10)
+#   GONIXL_SOAK_POLICY (the decode's kv_load_failure_policy, default recompute)
 #   GONIXL_SOAK_DEADLINE (a request's client deadline in seconds, default 120)
 #   GONIXL_SOAK_DISCONNECT_FRAC, GONIXL_SOAK_ABORT_FRAC (default 0.05 each)
 #   GONIXL_SOAK_EXECUTOR (mp, default: vLLM's CPU default, a worker process
@@ -40,12 +41,19 @@ rm -f "$LOGS/soak_summary.json"
 e2e_require "$MODEL"
 e2e_vllm_args "$MODEL"
 
-P_PORT=$(free_port); D_PORT=$(free_port); A_PORT=$(free_port); X_PORT=$(free_port)
+P_PORT=$(free_port); D_PORT=$(free_port); X_PORT=$(free_port)
 P_SIDE=$(free_port); D_SIDE=$(free_port); P_MET=$(free_port); D_MET=$(free_port)
 
 ENGINE="${GONIXL_E2E_ENGINE:-ucx}"
 LEASE="${GONIXL_SOAK_LEASE:-10}"
 EXTRA="\"kv_lease_duration\":$LEASE"
+# The decode's kv_load_failure_policy. recompute: a request whose short
+# lease lapsed while it waited in a starved decode's queue (no heartbeat
+# covers a request the scheduler has not looked at yet) is computed by the
+# decode and must still be correct; soak.py fails on any other kind of
+# transfer failure in the decode's log, and counts the lapses. The lease
+# stays short so that the settle waits stay short.
+POLICY="${GONIXL_SOAK_POLICY:-recompute}"
 # Where vLLM runs the worker. uni: in the EngineCore process with the
 # scheduler (vLLM's default for TP = PP = 1 on a GPU host; on the CPU
 # platform it needs VLLM_ENABLE_V1_MULTIPROCESSING=0, which changes nothing
@@ -71,16 +79,16 @@ SAVED=("${COMMON[@]}")
 COMMON+=(--enable-log-requests)
 start_vllm prefill "$P_PORT" "$P_SIDE" "$(gonixl_kv_config_extra kv_producer "$ENGINE" "$EXTRA")" \
   GONIXL_METRICS_PORT="$P_MET" "${XENV[@]}"
-start_vllm decode "$D_PORT" "$D_SIDE" "$(gonixl_kv_config_extra kv_consumer "$ENGINE" "$EXTRA")" \
+start_vllm decode "$D_PORT" "$D_SIDE" "$(gonixl_kv_config_extra kv_consumer "$ENGINE" "$EXTRA" | sed "s/\"kv_role\":\"kv_consumer\"/&,\"kv_load_failure_policy\":\"$POLICY\"/")" \
   GONIXL_METRICS_PORT="$D_MET" "${XENV[@]}"
 COMMON=("${SAVED[@]}")
-start_vllm baseline "$A_PORT"
+e2e_baseline
 start_proxy proxy "$X_PORT" "$P_PORT" "$D_PORT"
 
 wait_ready proxy "http://127.0.0.1:$X_PORT/healthcheck"
 wait_ready prefill "http://127.0.0.1:$P_PORT/health"
 wait_ready decode "http://127.0.0.1:$D_PORT/health"
-wait_ready baseline "http://127.0.0.1:$A_PORT/health"
+e2e_baseline_wait
 # gonixl's metrics servers start with the engines (register_kv_caches, before
 # vLLM is ready); with TP = PP = 1 worker and scheduler share one on exactly
 # GONIXL_METRICS_PORT.
@@ -88,7 +96,7 @@ wait_log prefill "$LOGS/prefill.log" 'gonixl metrics served' >&2
 wait_log decode "$LOGS/decode.log" 'gonixl metrics served' >&2
 e2e_say "servers up after $(e2e_elapsed)s"
 
-export GONIXL_E2E_PROXY="http://127.0.0.1:$X_PORT" GONIXL_E2E_BASELINE="http://127.0.0.1:$A_PORT"
+export GONIXL_E2E_PROXY="http://127.0.0.1:$X_PORT" GONIXL_E2E_BASELINE="$BASELINE_URL"
 export GONIXL_E2E_PREFILL="http://127.0.0.1:$P_PORT" GONIXL_E2E_DECODE="http://127.0.0.1:$D_PORT"
 export GONIXL_E2E_DECODE_LOG="$LOGS/decode.log" GONIXL_E2E_PREFILL_LOG="$LOGS/prefill.log" GONIXL_E2E_MODEL="$MODEL"
 export GONIXL_SOAK_PREFILL_METRICS="http://127.0.0.1:$P_MET" GONIXL_SOAK_DECODE_METRICS="http://127.0.0.1:$D_MET"

@@ -94,7 +94,8 @@ for c in "${COMBOS[@]}"; do
     [ -z "${PORT[$inst]:-}" ] || continue
     kind=${inst#*-}
     PORT[$inst]=$(free_port); SIDE[$inst]=$(free_port)
-    [ "$kind" = dp2 ] && free_port >/dev/null # port + 1: the second DP engine's side channel
+    # port + 1: the second DP engine's side channel, not handed out again
+    [ "$kind" = dp2 ] && echo $((SIDE[$inst] + 1)) >>"$E2E_PORTS_FILE"
     role=kv_producer; [ "${inst%-*}" = decode ] && role=kv_consumer
     saved=("${COMMON[@]}")
     # shellcheck disable=SC2207

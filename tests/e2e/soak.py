@@ -28,6 +28,9 @@ Fails (exit 1) when:
   any token (printed);
 - a request hangs past DEADLINE_S (the client's per-request deadline), or
   any non-aborted, non-disconnected request errors;
+- the decode's log has a failed load other than a lapsed lease (the decode
+  runs kv_load_failure_policy recompute: a lapsed lease is recomputed and
+  counted, any other failure fails the soak);
 - at the end, on either side, any of gonixl's live gauges (transfer handles,
   stuck handles, receiving requests, held leases, pending handshakes, the
   scheduler's awaiting-KV / send-pending / heartbeat leases) is not 0, a
@@ -42,6 +45,7 @@ Fails (exit 1) when:
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import math
@@ -624,6 +628,15 @@ async def main() -> int:
     for side in SIDES:
         if logs[side]["panic"]:
             failures.append(f"{side} log mentions panic {logs[side]['panic']} times")
+    # The decode recomputes a request whose load failed (run_soak_test.sh's
+    # kv_load_failure_policy recompute): a lapsed lease is a timing outcome
+    # of a starved machine, counted here; any other kind of failed load is
+    # one the soak must not pass over.
+    kinds = collections.Counter(re.findall(r"NIXL transfer failure: (\w+)", texts["decode"]))
+    other = {k: n for k, n in kinds.items() if k != "kv_lease_expired"}
+    if other:
+        failures.append(f"decode log: transfer failures other than a lapsed lease: {other}")
+    say(f"decode log: {kinds.get('kv_lease_expired', 0)} loads refused for a lapsed lease (recomputed); other failures {other or 'none'}")
     # Where did the client's aborts and disconnects land? vLLM logs each
     # request it aborts (--enable-log-requests). "not aborted by vLLM": the
     # client left before the proxy sent the prefill, between prefill and

@@ -57,7 +57,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import faults_helpers as fh  # noqa: E402
-from e2e_common import BLOCK, counter, model_task, prompt_token_sources  # noqa: E402
+from e2e_common import BLOCK, counter, model_task, prompt_token_sources, record_retry  # noqa: E402
 
 E = os.environ.get
 PREFILL = E("GONIXL_FAULTS_PREFILL")
@@ -82,6 +82,9 @@ READY_TIMEOUT_S = float(E("GONIXL_FAULTS_READY_TIMEOUT", "600"))  # a restarted 
 CLIENT_TIMEOUT_S = 60.0
 # A normal (fault-free) P/D request through the proxy.
 NORMAL_REQUEST_S = 30.0
+# pd_serves sends a set-up request this many times at most when its lease
+# lapsed under load (each retry recorded).
+PD_SERVES_TRIES = 3
 
 # (e) each untrusted-params request ends within this; for one whose
 # remote_host cannot be handshaken with (nothing listens, a silent listener,
@@ -192,7 +195,14 @@ def pd_serves(state, policy: str, tally: fh.Tally, n: int = 3, lengths=None) -> 
     """A warm-up request, then n fresh prompts through the proxy of
     `policy`, one at a time: every output equals the baseline, and the
     decode pulled every prompt token (vLLM's prompt_tokens_by_source
-    counters)."""
+    counters).
+
+    A set-up check, not a fault case: a request whose prefill lease lapsed
+    (the decode's log says kv_lease_expired; on a starved machine the 4 s
+    lease can pass between the prefill's answer and the decode's READ) is
+    sent again with a fresh prompt, up to PD_SERVES_TRIES times, and each
+    such retry is recorded (./build.sh test fails the step past its
+    allowance). A wrong answer, or any other failure, fails at once."""
     cfg, base = state["cfg"], state["base"]
     exs = fresh(state, lengths or [BLOCK + 1, 3 * BLOCK, 5 * BLOCK + 7][:n])
     warm = fresh(state, [2 * BLOCK + 3])[0]
@@ -202,22 +212,39 @@ def pd_serves(state, policy: str, tally: fh.Tally, n: int = 3, lengths=None) -> 
     # or a fault the first READ also pays the handshake and UCX's endpoint
     # wire-up, which on a heavily loaded machine can outlast the short
     # lease (the decode then rightly refuses the KV: kv_lease_expired).
+    # Such a first contact is recorded as a failed first try.
     o = fh.request(cfg.proxy[policy], fh.completion_body(MODEL, warm.prompt), CLIENT_TIMEOUT_S)
     kind = tally.add(o, base(warm.prompt), f"{policy} warm-up len {len(warm.prompt)}")
     assert kind != "wrong", f"P/D through proxy-{policy}: wrong output {o.text!r}, baseline {base(warm.prompt)!r}"
     if kind != "correct":
         tally.notes.append(f"warm-up request through proxy-{policy}: {o.brief()}")
-    before = fh.metrics(cfg.decode[policy])
+        record_retry(f"fault suite warm-up request through proxy-{policy}", o.brief())
     for ex in exs:
-        o = fh.request(cfg.proxy[policy], fh.completion_body(MODEL, ex.prompt), CLIENT_TIMEOUT_S)
-        kind = tally.add(o, base(ex.prompt), f"{policy} len {len(ex.prompt)}")
-        assert kind == "correct", f"P/D through proxy-{policy}: {o.brief()} (baseline {base(ex.prompt)!r})"
-        assert o.elapsed < NORMAL_REQUEST_S, f"P/D request took {o.elapsed:.1f}s (bound {NORMAL_REQUEST_S}s)"
-    computed, external = prompt_token_sources(before, fh.metrics(cfg.decode[policy]))
-    total = sum(len(e.prompt) for e in exs)
-    assert computed == 0 and external == total, (
-        f"decode-{policy} computed {computed:.0f} prompt tokens itself and pulled {external:.0f} of {total}: KV did not come over the wire"
-    )
+        for attempt in range(1, PD_SERVES_TRIES + 1):
+            before = fh.metrics(cfg.decode[policy])
+            off = fh.log_size(cfg.decode_log[policy])
+            o = fh.request(cfg.proxy[policy], fh.completion_body(MODEL, ex.prompt), CLIENT_TIMEOUT_S)
+            kind = tally.add(o, base(ex.prompt), f"{policy} len {len(ex.prompt)}")
+            assert kind != "wrong", f"P/D through proxy-{policy}: wrong output {o.text!r}, baseline {base(ex.prompt)!r}"
+            computed, external = prompt_token_sources(before, fh.metrics(cfg.decode[policy]))
+            pulled = computed == 0 and external == len(ex.prompt)
+            if kind == "correct" and pulled and o.elapsed < NORMAL_REQUEST_S:
+                break
+            lapsed = fh.failure_kinds(log_from(cfg.decode_log[policy], off))["kv_lease_expired"]
+            if lapsed and attempt < PD_SERVES_TRIES:
+                record_retry(
+                    f"fault suite set-up request through proxy-{policy}",
+                    f"kv_lease_expired on the decode (a lease lapse under load, not a fault case): {o.brief()}",
+                )
+                ex = fresh(state, [len(ex.prompt)])[0]
+                base(ex.prompt)
+                continue
+            assert kind == "correct", f"P/D through proxy-{policy}: {o.brief()} (baseline {base(ex.prompt)!r})"
+            assert o.elapsed < NORMAL_REQUEST_S, f"P/D request took {o.elapsed:.1f}s (bound {NORMAL_REQUEST_S}s)"
+            assert pulled, (
+                f"decode-{policy} computed {computed:.0f} prompt tokens itself and pulled {external:.0f} of {len(ex.prompt)}: "
+                "KV did not come over the wire"
+            )
 
 
 def log_from(path: str, offset: int) -> str:
@@ -503,11 +530,19 @@ def _frozen_read_attempt(env, policies):
 
 def test_d_read_to_frozen_prefill(env):
     cfg, base, summary = env["cfg"], env["base"], env["summary"]
+    # Only a READ that needs the prefill's progress can be held up by
+    # freezing the prefill: every byte through UCP (not gonixl's own CMA
+    # copy) and no UCX transport that reads another process's memory by
+    # itself (cma). run_faults_test.sh exports both for every process.
+    tls = os.environ.get("UCX_TLS", "")
+    names = tls.removeprefix("^").split(",")
+    no_cma = "cma" in names if tls.startswith("^") else bool(tls) and not {"cma", "sm", "shm", "all"} & set(names)
+    assert os.environ.get("GONIXL_UCX_DATA_PATH") == "ucp", "case d needs GONIXL_UCX_DATA_PATH=ucp (run_faults_test.sh sets it)"
+    assert no_cma, f"case d needs UCX_TLS without cma (run_faults_test.sh sets ^cma), got {tls!r}"
     bound = TRANSFER_TIMEOUT_S + D_MARGIN_S
     tallies = {p: summary.tally(f"d READ to frozen prefill -> decode-{p}") for p in POLICIES}
     pending = list(POLICIES)
     stuck_seen: dict[str, bool] = {}
-    completed: dict[str, bool] = {}  # every attempt's READ completed despite the freeze
     for attempt in range(1, D_ATTEMPTS + 1):
         got, frozen_s = _frozen_read_attempt(env, pending)
         for policy, (ex, o, log, sent_after) in got.items():
@@ -520,17 +555,16 @@ def test_d_read_to_frozen_prefill(env):
             # Never a wrong answer, and bounded, whatever path was taken.
             assert kind != "wrong", f"decode-{policy}: wrong output {o.text!r}, baseline {base(ex.prompt)!r}"
             resume_t = o.started - sent_after + frozen_s
-            if kind == "correct" and not kinds:
-                # The READ completed with the prefill frozen, and the answer
-                # is right: UCX served it over a path that needed nothing
-                # from the peer (seen once, in a fresh-clone CI run; likely
-                # zero-copy CMA, which reads a stopped process's memory).
-                # Not the frozen-READ path: try again with another prompt.
-                t.notes.append(f"attempt {attempt}: the READ completed with the prefill frozen (a transport that needs no progress on the peer); correct")
-                if attempt == D_ATTEMPTS:
-                    completed[policy] = True
-                    pending.remove(policy)
-                continue
+            # The READ completed with the prefill frozen: a transport served
+            # it that needs nothing from the peer (UCX's CMA lane reads a
+            # stopped process's memory). run_faults_test.sh rules those out
+            # (data path ucp, UCX_TLS without cma), so the frozen-READ path
+            # this case exists for was not exercised: a failure, not a skip.
+            assert not (kind == "correct" and not kinds), (
+                f"decode-{policy}: the READ completed with the prefill frozen ({o.brief()}; UCX_TLS={os.environ.get('UCX_TLS')!r}, "
+                f"GONIXL_UCX_DATA_PATH={os.environ.get('GONIXL_UCX_DATA_PATH')!r}): a transport served it without the peer's progress, "
+                "so case d did not test a READ that cannot complete"
+            )
             stuck = "transfer_release_failed" in log
             if stuck:
                 stuck_seen[policy] = True
@@ -562,7 +596,12 @@ def test_d_read_to_frozen_prefill(env):
             if not timeouts and kinds["kv_lease_expired"] and attempt < D_ATTEMPTS:
                 # The machine was too slow to start the READ with a safe
                 # share of the 4 s lease left: the decode rightly refused
-                # to read, so the frozen-READ path was not exercised. Again.
+                # to read, so the frozen-READ path was not exercised. Again
+                # (counted: ./build.sh test fails the step past its allowance).
+                record_retry(
+                    f"fault case d, decode-{policy}, attempt {attempt}",
+                    f"the READ was not posted: kv_lease_expired (sent {sent_after:.1f} s after the freeze)",
+                )
                 continue
             assert timeouts, f"decode-{policy}: no 'READ still in flight after transfer_timeout' failure; failure kinds {dict(kinds)}"
             read_s = fh.read_duration(log)
@@ -590,11 +629,6 @@ def test_d_read_to_frozen_prefill(env):
     t = summary.tally("d afterwards (prefill resumed): pairs serve")
     for policy in POLICIES:
         pd_serves(env, policy, t, n=2)
-    if completed:
-        pytest.skip(
-            f"d: for {sorted(completed)} every READ completed with the prefill frozen ({D_ATTEMPTS} attempts, all answers correct): "
-            "the transport needed no progress from the peer, so a READ that never completes could not be made here"
-        )
 
 
 # ---------------------------------------------------------------------------

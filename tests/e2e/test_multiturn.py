@@ -1,9 +1,10 @@
 """Bidirectional KV transfer end to end (run through tests/e2e/run_multiturn_test.sh).
 
-Two prefill vLLMs (no prefix caching) and two decode vLLMs, all with
-GoNixlConnector and bidirectional_kv_xfer, behind gonixl-proxy --multiturn
-(round robin over each: a turn's prefill pulls from whichever decode served
-the previous turn, and its decode may be the other one);
+Two prefill vLLMs (no prefix caching) and two decode vLLMs (one of each with
+GONIXL_MT_FLEET=1x1), all with GoNixlConnector and bidirectional_kv_xfer,
+behind gonixl-proxy --multiturn (round robin over each: a turn's prefill
+pulls from whichever decode served the previous turn, and its decode may be
+the other one);
 an aggregated vLLM gives the expected text of every turn for the same
 history. A turn's prompt is the previous prompt, its answer and the new
 message (tests/e2e/chat_template.jinja), so from turn 2 on the decode holds
@@ -37,7 +38,7 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_common import PROMPT_TOKENS, counter, metrics, model_task
+from e2e_common import PROMPT_TOKENS, counter, metrics, model_task, record_retry
 
 ENV = os.environ.get
 PROXY = ENV("GONIXL_MT_PROXY")
@@ -49,7 +50,7 @@ MODEL = ENV("GONIXL_E2E_MODEL")
 TTL = float(ENV("GONIXL_MT_TTL", "40"))
 
 pytestmark = pytest.mark.skipif(
-    not (PROXY and BASELINE and len(PREFILLS) == 2 and len(DECODES) == 2),
+    not (PROXY and BASELINE and PREFILLS and DECODES),
     reason="run through tests/e2e/run_multiturn_test.sh (it starts the servers)",
 )
 
@@ -244,6 +245,14 @@ def log(name: str) -> str:
         return f.read()
 
 
+def prefill_logs() -> str:
+    return "".join(log(f"prefill{i}") for i in range(len(PREFILLS)))
+
+
+def decode_logs() -> str:
+    return "".join(log(f"decode{i}") for i in range(len(DECODES)))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def warm_pairs():
     """First contacts before the measured tests: every prefill/decode pair
@@ -253,7 +262,7 @@ def warm_pairs():
     first contact made under load (seen once: a stock decode's first
     handshake with a gonixl prefill timed out, HTTP 500); a failed warm-up
     request is retried and printed."""
-    if not (PROXY and BASELINE and len(PREFILLS) == 2 and len(DECODES) == 2):
+    if not (PROXY and BASELINE and PREFILLS and DECODES):
         yield
         return
     t0 = time.monotonic()
@@ -265,6 +274,8 @@ def warm_pairs():
                 return chat(PROXY, messages, conv)[0]
             except urllib.error.HTTPError as e:
                 notes.append(f"{conv or 'no id'} attempt {attempt}: HTTP {e.code}")
+                # Counted: ./build.sh test fails the step past its allowance.
+                record_retry(f"multi-turn warm-up request ({conv or 'no conversation_id'})", f"HTTP {e.code}: {e.read()[:160]!r}")
                 time.sleep(2)
         return chat(PROXY, messages, conv)[0]
 
@@ -364,7 +375,7 @@ def test_edited_history_pulls_only_the_unchanged_prefix():
     turns = converse("conv-edit", [300, 60, 60, 60], 200, edit_at={2: 280, 3: 100})
     check(turns, before, prefill_sources(), "edited history")
     assert [t.pulled for t in turns][2:] == [256, 0]
-    text = log("prefill0") + log("prefill1")
+    text = prefill_logs()
     assert "after token 256: pulling the first 256 tokens" in text, (
         "no prefill logged the partial pull of the edited history"
     )
@@ -404,14 +415,14 @@ def test_idle_conversation_falls_back_to_a_full_prefill():
         f"idle {idle:.0f} s before turn 2 (> decoder_kv_blocks_ttl {TTL:.0f} s)",
     )
     assert [t.pulled > 0 for t in freed + turns] == [False, True, False, False, True]
-    text = log("prefill0") + log("prefill1")
+    text = prefill_logs()
     assert (
         "blocks of this conversation expired (decoder_kv_blocks_ttl): computing the whole prompt"
         in text
     )
     expired = [
         line
-        for line in (log("decode0") + log("decode1")).splitlines()
+        for line in decode_logs().splitlines()
         if "Releasing expired KV blocks" in line
     ]
     held = {

@@ -1,9 +1,18 @@
 import os
 import pathlib
+import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.append(str(ROOT / "tests"))
+import testreport
+
+
+def pytest_runtest_logreport(report):
+    """Every skip and xfail goes to the step's report (tests/testreport.py):
+    ./build.sh test fails on one that tests/declared.toml does not declare."""
+    testreport.pytest_logreport(report)
 
 
 @pytest.fixture(scope="session")

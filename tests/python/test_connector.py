@@ -36,8 +36,10 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# vLLM and gonixl's engines are installed wherever these tests run (.venv,
+# ./build.sh setup): missing, they fail the module, they do not skip it.
 if importlib.util.find_spec("vllm") is None:  # pragma: no cover - environment
-    pytest.skip("vLLM is not installed in this interpreter (use .venv/bin/python)", allow_module_level=True)
+    raise ImportError("vLLM is not installed in this interpreter (use .venv/bin/python)")
 
 import connector_harness as h  # noqa: E402  (imports vLLM)
 import torch  # noqa: E402
@@ -83,7 +85,7 @@ def connector_cls(lib_path):
     cls = _connector_class(lib_path)
     why = _engine_unavailable("ucx")
     if why:
-        pytest.skip(f"gonixl's UCX transfer engine does not load on this host: {why}")
+        pytest.fail(f"gonixl's UCX transfer engine does not load on this host: {why}")
     return cls
 
 
