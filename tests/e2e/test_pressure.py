@@ -18,7 +18,8 @@ goes straight at the prefill the whole time:
    outputs (ignore_eos, up to MAX_TOKENS), the rest stopping at EOS;
 2. abandon: ABANDON requests at once whose clients give up after
    ABANDON_AFTER seconds (the proxy cancels them upstream);
-3. fresh: the same prompts again, FRESH requests at once, new request ids.
+3. fresh: after PAUSE seconds, the same prompts again, FRESH requests at
+   once, new request ids.
 
 Asserts, each a test below:
 
@@ -40,6 +41,7 @@ Asserts, each a test below:
 Knobs (environment): GONIXL_PRESSURE_REQUESTS (24), GONIXL_PRESSURE_DIRECT
 (requests straight at the prefill, 8), GONIXL_PRESSURE_ABANDON (16),
 GONIXL_PRESSURE_ABANDON_AFTER (0.2 s), GONIXL_PRESSURE_FRESH (16),
+GONIXL_PRESSURE_PAUSE (0 s),
 GONIXL_PRESSURE_CONCURRENCY (12), GONIXL_PRESSURE_MAX_TOKENS (256),
 GONIXL_PRESSURE_DEADLINE (180 s), GONIXL_PRESSURE_SETTLE_MARGIN (30 s),
 GONIXL_PRESSURE_SEED (2026). run_pressure_test.sh passes the topology in
@@ -84,6 +86,10 @@ DIRECT = int(_env("GONIXL_PRESSURE_DIRECT", "8"))
 ABANDON = int(_env("GONIXL_PRESSURE_ABANDON", "16"))
 ABANDON_AFTER = float(_env("GONIXL_PRESSURE_ABANDON_AFTER", "0.2"))
 FRESH = int(_env("GONIXL_PRESSURE_FRESH", "16"))
+# Seconds between the abandon phase and the fresh one (the other traffic
+# goes on meanwhile): past twice the lease, a decode that cancelled gives
+# its blocks back without an answer from the prefill.
+PAUSE_S = float(_env("GONIXL_PRESSURE_PAUSE", "0"))
 CONCURRENCY = int(_env("GONIXL_PRESSURE_CONCURRENCY", "12"))
 MAX_TOKENS = int(_env("GONIXL_PRESSURE_MAX_TOKENS", "256"))
 DEADLINE_S = float(_env("GONIXL_PRESSURE_DEADLINE", "180"))
@@ -332,6 +338,7 @@ async def _run() -> Run:
         say(f"pressure: {len(results)} requests in {wall['pressure']:.1f}s")
         t0 = time.monotonic()
         results += await run_many(session, PROXY, by["abandon"], len(by["abandon"]) or 1, give_up=ABANDON_AFTER)
+        await asyncio.sleep(PAUSE_S)
         t1 = time.monotonic()
         results += await run_many(session, PROXY, by["fresh"], len(by["fresh"]) or 1)
         wall["fresh"] = time.monotonic() - t1
