@@ -26,7 +26,7 @@
 # lines of each log are printed when a run fails.
 #
 # Environment knobs (besides test_pressure.py's GONIXL_PRESSURE_REQUESTS,
-# _DIRECT, _ABANDON, _ABANDON_AFTER, _FRESH, _PAUSE, _CONCURRENCY, _MAX_TOKENS,
+# _DIRECT, _DIRECT_CONCURRENCY, _ABANDON, _ABANDON_AFTER, _FRESH, _PAUSE, _CONCURRENCY, _MAX_TOKENS,
 # _DEADLINE, _SETTLE_MARGIN, _SEED):
 #   GONIXL_PRESSURE_CONFIGS  comma list of MODE:PREFILL-DECODE (default
 #                            pull:go-go,push:go-go; a stock side needs the other to be go)

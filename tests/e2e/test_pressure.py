@@ -39,7 +39,8 @@ Asserts, each a test below:
   could not parse ("malformed notification").
 
 Knobs (environment): GONIXL_PRESSURE_REQUESTS (24), GONIXL_PRESSURE_DIRECT
-(requests straight at the prefill, 8), GONIXL_PRESSURE_ABANDON (16),
+(requests straight at the prefill, 8), GONIXL_PRESSURE_DIRECT_CONCURRENCY (2),
+GONIXL_PRESSURE_ABANDON (16),
 GONIXL_PRESSURE_ABANDON_AFTER (0.2 s), GONIXL_PRESSURE_FRESH (16),
 GONIXL_PRESSURE_PAUSE (0 s),
 GONIXL_PRESSURE_CONCURRENCY (12), GONIXL_PRESSURE_MAX_TOKENS (256),
@@ -83,6 +84,7 @@ SUMMARY_PATH = os.environ.get("GONIXL_PR_SUMMARY", "")
 
 PRESSURE_REQUESTS = int(_env("GONIXL_PRESSURE_REQUESTS", "24"))
 DIRECT = int(_env("GONIXL_PRESSURE_DIRECT", "8"))
+DIRECT_CONCURRENCY = int(_env("GONIXL_PRESSURE_DIRECT_CONCURRENCY", "2"))
 ABANDON = int(_env("GONIXL_PRESSURE_ABANDON", "16"))
 ABANDON_AFTER = float(_env("GONIXL_PRESSURE_ABANDON_AFTER", "0.2"))
 FRESH = int(_env("GONIXL_PRESSURE_FRESH", "16"))
@@ -332,7 +334,7 @@ async def _run() -> Run:
         say(f"baseline: {len(base)} prompts in {wall['baseline']:.1f}s")
         by = {p: [r for r in plan if r.phase == p] for p in ("pressure", "direct", "abandon", "fresh")}
         t0 = time.monotonic()
-        direct = asyncio.create_task(run_many(session, INSTANCES["prefill"]["url"], by["direct"], 2))
+        direct = asyncio.create_task(run_many(session, INSTANCES["prefill"]["url"], by["direct"], DIRECT_CONCURRENCY))
         results = await run_many(session, PROXY, by["pressure"], CONCURRENCY)
         wall["pressure"] = time.monotonic() - t0
         say(f"pressure: {len(results)} requests in {wall['pressure']:.1f}s")
