@@ -9,8 +9,8 @@
 // between C and Go memory. Behaviour lives in shim. capi blank-imports the
 // transfer engines so they register themselves; nothing imports capi.
 //
-// Imports: shim, nixl and its engine subpackages (blank), the standard
-// library. cgo and unsafe are allowed here.
+// Imports: shim, shim/kvwire, nixl and its engine subpackages (blank),
+// the standard library. cgo and unsafe are allowed here.
 //
 // Concurrency: every export may be called from any C thread concurrently.
 // The handle tables are guarded by a mutex; objects behind handles are

@@ -309,18 +309,38 @@ func gonixl_scheduler_push_prompt_done(h C.gonixl_scheduler_t, reqID *C.char, re
 	})
 }
 
-//export gonixl_scheduler_update_connector_output
-func gonixl_scheduler_update_connector_output(h C.gonixl_scheduler_t, j *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+//export gonixl_scheduler_push_preempted
+func gonixl_scheduler_push_preempted(h C.gonixl_scheduler_t, j *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
-		b, err := readIn(j, n, "finished_recving_json")
+		ids, err := readIDs(j, n, "req_ids_json")
 		if err != nil {
 			return err
 		}
-		var ids []string
-		if len(b) > 0 {
-			if err := json.Unmarshal(b, &ids); err != nil {
-				return errorf(statusInvalidArg, "finished_recving_json: %v", err)
-			}
+		s.PushPreempted(ids)
+		return nil
+	})
+}
+
+//export gonixl_scheduler_pending_block_frees
+func gonixl_scheduler_pending_block_frees(h C.gonixl_scheduler_t, out *C.int32_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
+		if out == nil {
+			return errorf(statusInvalidArg, "out is NULL")
+		}
+		*out = 0
+		if s.PendingBlockFrees() {
+			*out = 1
+		}
+		return nil
+	})
+}
+
+//export gonixl_scheduler_update_connector_output
+func gonixl_scheduler_update_connector_output(h C.gonixl_scheduler_t, j *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
+		ids, err := readIDs(j, n, "finished_recving_json")
+		if err != nil {
+			return err
 		}
 		s.UpdateConnectorOutput(ids)
 		return nil
@@ -512,4 +532,19 @@ func gonixl_debug_panic(cerr *C.gonixl_error_t) C.gonixl_status_t {
 		}
 		panic("gonixl_debug_panic called")
 	})
+}
+
+// readIDs reads a JSON array of request ids (empty input: none).
+func readIDs(j *C.char, n C.size_t, what string) ([]string, error) {
+	b, err := readIn(j, n, what)
+	if err != nil {
+		return nil, err
+	}
+	var ids []string
+	if len(b) > 0 {
+		if err := json.Unmarshal(b, &ids); err != nil {
+			return nil, errorf(statusInvalidArg, "%s: %v", what, err)
+		}
+	}
+	return ids, nil
 }

@@ -39,7 +39,7 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change to this header. */
-#define GONIXL_ABI_VERSION 1
+#define GONIXL_ABI_VERSION 2
 
 /* Status codes. Append-only: never renumber. */
 typedef int32_t gonixl_status_t;
@@ -151,14 +151,30 @@ gonixl_status_t gonixl_scheduler_request_finished(gonixl_scheduler_t h,
  * all of them, per group) is freed before request_finished. Call before this
  * step's gonixl_scheduler_build_meta: the workers WRITE the blocks to the
  * decode as soon as the step's forward is done (their next
- * gonixl_worker_get_finished) instead of after request_finished. The
- * request's later request_finished must pass finished_normally 1, whatever
- * its status: its blocks stay held until the WRITE is done. */
+ * gonixl_worker_get_finished) instead of after request_finished. Until its
+ * request_finished, pending_block_frees reports 1; its request_finished is
+ * a push send whatever its status (finished_normally is overridden): its
+ * blocks stay held until the WRITE is done. */
 gonixl_status_t gonixl_scheduler_push_prompt_done(gonixl_scheduler_t h, char *req_id,
                                                   size_t req_id_len, char *params_json,
                                                   size_t params_len, int64_t *block_ids,
                                                   int64_t num_block_ids, int64_t *group_lens,
                                                   int64_t num_groups, gonixl_error_t *err);
+
+/* push_preempted (push mode, a prefill): the request ids vLLM preempted this
+ * step (its SchedulerOutput's preempted_req_ids, a JSON array). Those
+ * announced by push_prompt_done and not finished go to the workers in this
+ * step's metadata: a WRITE not posted yet is dropped, one in flight is waited
+ * for in gonixl_worker_start_load_kv, before the step's forward can overwrite
+ * the blocks. Call before this step's gonixl_scheduler_build_meta. */
+gonixl_status_t gonixl_scheduler_push_preempted(gonixl_scheduler_t h, char *req_ids_json,
+                                                size_t json_len, gonixl_error_t *err);
+
+/* pending_block_frees (vLLM's has_pending_block_frees): *out 1 while a request
+ * announced by push_prompt_done has not been finished (its early WRITE may
+ * read its blocks: vLLM must not preempt it), else 0. */
+gonixl_status_t gonixl_scheduler_pending_block_frees(gonixl_scheduler_t h, int32_t *out,
+                                                     gonixl_error_t *err);
 
 /* update_connector_output: finished_recving is a JSON array of request ids. */
 gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,
@@ -205,11 +221,41 @@ gonixl_status_t gonixl_worker_handshake_payload(gonixl_worker_t h, char *buf, si
 gonixl_status_t gonixl_worker_start_load_kv(gonixl_worker_t h, char *meta, size_t meta_len,
                                             gonixl_error_t *err);
 
-/* get_finished: JSON {"finished_sending": [...], "finished_recving": [...],
- * "failed_recving": [...]}. Size-negotiated; a result that did not fit is
- * kept for the retry. */
+/* get_finished: what finished since the last call, in a binary form
+ * (little-endian; shim/kvwire/finished.go, docs/PROTOCOL.md):
+ *   uint32 version (GONIXL_FINISHED_VERSION), uint32 flags
+ *   (GONIXL_FINISHED_LOAD_ERRORS_PENDING, GONIXL_FINISHED_STATS_PENDING),
+ *   uint32 counts of finished_sending, finished_recving, failed_recving and
+ *   reshaped requests; then each request id of the three lists as uint32
+ *   length + bytes; then per reshaped request: uint32 id length, id bytes,
+ *   uint32 groups, per group uint32 ratio, uint32 covered, uint32 blocks,
+ *   blocks x int64. 24 bytes when nothing finished. Size-negotiated; a
+ *   result that did not fit is kept for the retry. */
 gonixl_status_t gonixl_worker_get_finished(gonixl_worker_t h, char *buf, size_t *len,
                                            gonixl_error_t *err);
+
+#define GONIXL_FINISHED_VERSION 1
+#define GONIXL_FINISHED_LOAD_ERRORS_PENDING 1
+#define GONIXL_FINISHED_STATS_PENDING 2
+
+/* A worker's idle state, in memory the library writes (atomically) and the
+ * caller reads without a call: busy is nonzero while the next engine step
+ * must call get_finished (something is in flight or held); seq is bumped
+ * whenever something changed off the caller's thread (a handshake finished,
+ * an idle remote engine is due for eviction). A caller may skip
+ * get_finished in a step whose start_load_kv had no metadata while busy is
+ * 0 and seq has not moved since its last get_finished. */
+typedef struct gonixl_worker_state {
+    volatile uint64_t seq;
+    volatile uint32_t busy;
+    uint32_t reserved;
+} gonixl_worker_state_t;
+
+/* worker_state: *out points at the worker's state (above); the memory stays
+ * valid for the life of the process, also after gonixl_worker_close (busy is
+ * then 0). The first call starts the publishing. */
+gonixl_status_t gonixl_worker_state(gonixl_worker_t h, gonixl_worker_state_t **out,
+                                    gonixl_error_t *err);
 
 /* get_block_ids_with_load_errors: JSON array of local block ids, cleared by
  * the call. Size-negotiated like get_finished. */

@@ -5,9 +5,12 @@
 // posting and polling, notifications, stats). The Python connector only
 // flattens vLLM objects; every decision is made here.
 //
-// Imports: the standard library, nixl (the engine-neutral interface, never a
-// concrete engine), sidechannel, zap, client_golang (+ prometheus/common for
-// the text format) and msgpack/v5 (per-step metadata). No cgo, no unsafe.
+// The wire formats (kv_transfer_params, step metadata, notifications, push
+// registrations) are shim/kvwire's; shim names its types (wire.go).
+//
+// Imports: the standard library, shim/kvwire, nixl (the engine-neutral
+// interface, never a concrete engine), sidechannel, zap and client_golang
+// (+ prometheus/common for the text format). No cgo, no unsafe.
 //
 // Concurrency: Scheduler and Worker are safe for concurrent use; their
 // public methods take the object's lock, and background goroutines

@@ -73,13 +73,19 @@ func (w *Worker) evictIdleRemotesLocked() {
 }
 
 // busyRemotesLocked returns the ids of the remote engines that must not be
-// evicted: a READ from them is in flight, or a request waits for a
-// handshake with them.
+// evicted: a READ from them is in flight, a request waits for a handshake
+// with them, a push wait holds blocks they may write (push_recv.go), or a
+// push of this prefill writes or is about to write to them.
 func (w *Worker) busyRemotesLocked() map[string]bool {
 	busy := map[string]bool{}
 	for _, st := range w.recv {
-		if len(st.xfers) > 0 || st.waiting {
+		if len(st.xfers) > 0 || st.waiting || (st.push != nil && st.push.state != pushDone) {
 			busy[st.meta.Remote.EngineID] = true
+		}
+	}
+	for _, ps := range w.push.sends {
+		if ps.reg != nil && ps.state != sendUnmatched {
+			busy[ps.reg.DecodeEngineID] = true
 		}
 	}
 	return busy

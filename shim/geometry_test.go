@@ -591,12 +591,7 @@ func TestPipelineStagesReadTheirOwnLayers(t *testing.T) {
 				if time.Now().After(deadline) {
 					t.Fatalf("stage %d never finished %s: %+v", pp, id, res[pp])
 				}
-				b, err := w.GetFinished()
-				if err != nil {
-					t.Fatal(err)
-				}
-				var f Finished
-				_ = json.Unmarshal(b, &f)
+				f := w.Poll()
 				res[pp].Recving = append(res[pp].Recving, f.Recving...)
 				res[pp].Failed = append(res[pp].Failed, f.Failed...)
 				time.Sleep(2 * time.Millisecond)

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 // Microbenchmarks of the worker's per-step hot paths (issue 19): the
@@ -147,7 +148,7 @@ func BenchmarkReadDescIDs(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			w, re, a := hotDecodeWorker(b, c.groups, c.ratio, c.blocksEngine)
 			rr := hotRecvReq(1, c.groups, c.nBlocks, c.ratio)
-			notif := doneNotif(rr.Remote.RequestID, re.plan.consumers)
+			notif := kvwire.DoneNotif(rr.Remote.RequestID, re.plan.consumers)
 			b.ReportAllocs()
 			for b.Loop() {
 				local, remote, err := w.pairBlocks(rr, re)
@@ -230,13 +231,13 @@ func BenchmarkParseNotif(b *testing.B) {
 		ids[i] = hotReqID(i)
 	}
 	for _, c := range []struct{ name, msg string }{
-		{"done", string(doneNotif(hotReqID(7), 2))},
-		{"heartbeat-32ids", string(heartbeatNotif(ids))},
+		{"done", string(kvwire.DoneNotif(hotReqID(7), 2))},
+		{"heartbeat-32ids", string(kvwire.HeartbeatNotif(ids))},
 	} {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
-				if _, ok := parseNotif(c.msg); !ok {
+				if _, ok := kvwire.ParseNotif(c.msg); !ok {
 					b.Fatal("malformed")
 				}
 			}
@@ -281,9 +282,9 @@ func BenchmarkPollNotifs(b *testing.B) {
 			w, a, _, ids := hotPrefillWorker(b, held)
 			notifs := make([]nixl.Notif, c.n)
 			for i := range notifs {
-				msg := doneNotif(ids[i], 1)
+				msg := kvwire.DoneNotif(ids[i], 1)
 				if c.hb {
-					msg = heartbeatNotif(ids[i*32 : (i+1)*32])
+					msg = kvwire.HeartbeatNotif(ids[i*32 : (i+1)*32])
 				}
 				notifs[i] = nixl.Notif{Agent: "d-rank-0", Msg: msg}
 			}

@@ -1,15 +1,11 @@
 package shim
 
 import (
-	"bytes"
-	"encoding/binary"
 	"maps"
 	"math/rand/v2"
 	"reflect"
 	"slices"
 	"testing"
-
-	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/gonixl/gonixl/nixl"
 )
@@ -168,132 +164,5 @@ func TestLeasesExpiredMatchesFullSweep(t *testing.T) {
 		if !maps.Equal(l.until, ref) {
 			t.Fatalf("step %d: leases %v, want %v", step, l.until, ref)
 		}
-	}
-}
-
-// refBlockIDs encodes block ids as BlockIDs.EncodeMsgpack first did (a
-// buffer made per group).
-type refBlockIDs BlockIDs
-
-func (b refBlockIDs) EncodeMsgpack(enc *msgpack.Encoder) error {
-	if b == nil {
-		return enc.EncodeNil()
-	}
-	if err := enc.EncodeArrayLen(len(b)); err != nil {
-		return err
-	}
-	for _, g := range b {
-		buf := make([]byte, 8*len(g))
-		for i, v := range g {
-			binary.LittleEndian.PutUint64(buf[8*i:], uint64(v))
-		}
-		if err := enc.EncodeBytes(buf); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// The block ids' codec (chunked through a scratch buffer) writes the bytes
-// the per-group buffer wrote, and reads them back, around chunk sizes.
-func TestBlockIDsCodecMatchesReference(t *testing.T) {
-	rng := rand.New(rand.NewPCG(19, 3))
-	for _, sizes := range [][]int{nil, {}, {0}, {1}, {blockChunk - 1, blockChunk, blockChunk + 1}, {3 * blockChunk, 0, 7}, {65536}} {
-		var ids BlockIDs
-		if sizes != nil {
-			ids = BlockIDs{}
-		}
-		for _, n := range sizes {
-			g := make([]int64, n)
-			for k := range g {
-				g[k] = rng.Int64() >> rng.IntN(64)
-			}
-			ids = append(ids, g)
-		}
-		got, err := msgpack.Marshal(ids)
-		if err != nil {
-			t.Fatal(err)
-		}
-		want, err := msgpack.Marshal(refBlockIDs(ids))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !bytes.Equal(got, want) {
-			t.Fatalf("groups of %v: encodings differ", sizes)
-		}
-		var back BlockIDs
-		if err := msgpack.Unmarshal(got, &back); err != nil {
-			t.Fatal(err)
-		}
-		if !reflect.DeepEqual(back, ids) {
-			t.Fatalf("groups of %v: decoded %v", sizes, back)
-		}
-	}
-}
-
-// Encode (a buffer sized up front) writes msgpack.Marshal's bytes, and its
-// size hint covers a typical step.
-func TestStepMetaEncodeMatchesMarshal(t *testing.T) {
-	for _, n := range []int{0, 1, 32, 256} {
-		m := hotStepMeta(n)
-		m.ReqsNotProcessed, m.PushAborted = []string{"x"}, []string{"y"}
-		m.PushFinished = map[string]*PushFinished{"z": {Blocks: BlockIDs{{1, 2}}, PromptDigest: "d"}}
-		got, err := m.Encode()
-		if err != nil {
-			t.Fatal(err)
-		}
-		want, err := msgpack.Marshal(&stepEnvelope{Version: stepMetaVersion, Meta: m})
-		if err != nil {
-			t.Fatal(err)
-		}
-		// Maps are written in Go's iteration order: byte for byte with one
-		// entry each, else the same length and the same decoded metadata.
-		if (n <= 1 && !bytes.Equal(got, want)) || len(got) != len(want) {
-			t.Fatalf("%d requests: Encode differs from msgpack.Marshal", n)
-		}
-		back, err := DecodeStepMeta(got)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ref, err := DecodeStepMeta(want)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !reflect.DeepEqual(back, ref) {
-			t.Fatalf("%d requests: decoded %+v, want %+v", n, back, ref)
-		}
-		if h := m.sizeHint(); h < len(got) {
-			t.Errorf("%d requests: size hint %d < %d bytes", n, h, len(got))
-		}
-	}
-}
-
-// A step whose maps hold nil entries (the scheduler's order naming a
-// request no longer in its map) encodes as msgpack.Marshal did: nil
-// values, dropped by the worker. sizeHint once dereferenced them.
-func TestStepMetaEncodeNilEntries(t *testing.T) {
-	m := &StepMeta{
-		ReqsToRecv:   map[string]*RecvReq{"gone": nil},
-		ReqsToSend:   map[string]float64{},
-		Heartbeats:   map[string]*HeartbeatInfo{"e": nil},
-		PushFinished: map[string]*PushFinished{"p": nil},
-	}
-	b, err := m.Encode()
-	if err != nil {
-		t.Fatal(err)
-	}
-	old, err := msgpack.Marshal(&stepEnvelope{Version: stepMetaVersion, Meta: m})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(b, old) {
-		t.Fatalf("encoding differs from msgpack.Marshal's:\n%x\n%x", b, old)
-	}
-	got, err := DecodeStepMeta(b)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(got.ReqsToRecv) != 0 || len(got.PushFinished) != 0 {
-		t.Fatalf("nil entries survived decoding: %+v", got)
 	}
 }

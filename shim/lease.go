@@ -9,6 +9,8 @@ import (
 	"sort"
 
 	"go.uber.org/zap"
+
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 // leaseSafetyMargin is how much of the remote lease must be left to start a
@@ -155,7 +157,7 @@ func (w *Worker) sendHeartbeatsLocked(hbs map[string]*HeartbeatInfo) {
 			continue
 		}
 		w.touchRemoteLocked(re)
-		msg := heartbeatNotif(info.ReqIDs)
+		msg := kvwire.HeartbeatNotif(info.ReqIDs)
 		sent := w.clock()
 		// Every remote rank holds the request's blocks under its own lease.
 		sentAll := true
@@ -179,6 +181,14 @@ func (w *Worker) sendHeartbeatsLocked(hbs map[string]*HeartbeatInfo) {
 		for _, id := range info.ReqIDs {
 			exp, ok := info.Expiry[id]
 			if !ok {
+				continue
+			}
+			if _, released := w.released.Deadline(eng + "\x00" + id); released {
+				// This worker told the remote it is done with these blocks
+				// (its READ completed, or it let go of them): the remote
+				// freed them, and a heartbeat extends nothing. Another
+				// request with the same params gets no floor from it.
+				w.floors.Drop(id)
 				continue
 			}
 			bound := exp - re.offset - re.rtt.Seconds()

@@ -35,6 +35,14 @@ type WorkerLive struct {
 	RemoteEngines     int   `json:"remote_engines"`     // handshaken remote engines (a cache, not a leak)
 	Panics            int64 `json:"panics"`             // panics recovered on background goroutines
 	HandshakesRefused int64 `json:"handshakes_refused"` // new handshakes refused by the caps or the failure cache
+	// Push mode: a prefill's pushes not yet ended (blocks held or a WRITE
+	// in flight) and registrations waiting for their request; a decode's
+	// requests whose blocks are held after a failure until no WRITE can
+	// land (push_recv.go).
+	PushSends         int   `json:"push_sends"`
+	PushRegistrations int   `json:"push_registrations"`
+	PushHeldRequests  int   `json:"push_held_requests"`
+	PushHoldsTotal    int64 `json:"push_holds_total"` // requests ever held so (a counter)
 }
 
 // Live returns the worker's live counts.
@@ -47,14 +55,26 @@ func (w *Worker) Live() WorkerLive {
 		Panics:            w.panics.Load(),
 		HandshakesRefused: w.hsGuard.refused,
 	}
-	for _, st := range w.recv {
-		l.TransferHandles += len(st.xfers)
-		for _, f := range st.xfers {
+	count := func(xs []*inflight) {
+		l.TransferHandles += len(xs)
+		for _, f := range xs {
 			if f.stuck > 0 {
 				l.StuckHandles++
 			}
 		}
 	}
+	for _, st := range w.recv {
+		count(st.xfers)
+		if st.push != nil && st.push.state == pushHolding {
+			l.PushHeldRequests++
+		}
+	}
+	for _, ps := range w.push.sends {
+		count(ps.xfers)
+	}
+	l.PushSends = len(w.push.sends) + len(w.push.earlyDone)
+	l.PushRegistrations = len(w.push.regs)
+	l.PushHoldsTotal = w.pushHolds.Load()
 	held := make(map[string]struct{}, w.held.Len()+len(w.toProcess))
 	for _, id := range w.held.IDs() {
 		held[id] = struct{}{}
@@ -116,12 +136,18 @@ func (m *promMetrics) registerLive(engineID string, live func() WorkerLive) {
 		m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: labels},
 			func() float64 { return f(live()) }))
 	}
-	g("gonixl_live_transfer_handles", "READ handles posted and not yet released.", func(l WorkerLive) float64 { return float64(l.TransferHandles) })
-	g("gonixl_stuck_transfer_handles", "READ handles the engine would not release: their requests failed, their blocks stay held until it does.", func(l WorkerLive) float64 { return float64(l.StuckHandles) })
+	g("gonixl_live_transfer_handles", "READ and WRITE handles posted and not yet released.", func(l WorkerLive) float64 { return float64(l.TransferHandles) })
+	g("gonixl_stuck_transfer_handles", "Transfer handles the engine would not release: their requests failed, their blocks stay held until it does.", func(l WorkerLive) float64 { return float64(l.StuckHandles) })
+	g("gonixl_push_sends", "Push mode, a prefill: requests whose push has not ended (blocks held for a registration or a WRITE in flight).", func(l WorkerLive) float64 { return float64(l.PushSends) })
+	g("gonixl_push_registrations", "Push mode, a prefill: decode registrations waiting for their request.", func(l WorkerLive) float64 { return float64(l.PushRegistrations) })
+	g("gonixl_push_held_requests", "Push mode, a decode: failed requests whose blocks stay held until no WRITE from the prefill can land in them.", func(l WorkerLive) float64 { return float64(l.PushHeldRequests) })
 	g("gonixl_receiving_requests", "Requests whose KV is being read (READs in flight or waiting for a handshake).", func(l WorkerLive) float64 { return float64(l.ReceivingRequests) })
 	g("gonixl_held_leases", "Requests whose blocks this engine holds for a remote reader (until notified or the lease ends).", func(l WorkerLive) float64 { return float64(l.HeldLeases) })
 	g("gonixl_pending_handshakes", "Side-channel handshakes started and not finished.", func(l WorkerLive) float64 { return float64(l.PendingHandshakes) })
 	g("gonixl_remote_engines", "Remote engines with a loaded agent and prepared descriptors.", func(l WorkerLive) float64 { return float64(l.RemoteEngines) })
+	m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "gonixl_push_holds_total",
+		Help: "Push mode, a decode: failed requests whose blocks were held after the failure until no WRITE from the prefill could land in them.", ConstLabels: labels},
+		func() float64 { return float64(live().PushHoldsTotal) }))
 	m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "gonixl_handshakes_refused_total",
 		Help: "New handshakes refused by the count or rate cap, or because the same engine and address failed moments ago.", ConstLabels: labels},
 		func() float64 { return float64(live().HandshakesRefused) }))

@@ -5,29 +5,6 @@ import (
 	"testing"
 )
 
-// The notification formats are vLLM's, byte for byte, and parse back.
-func TestNotificationFormats(t *testing.T) {
-	if got := string(doneNotif("cmpl-1:x", 2)); got != "cmpl-1:x:2" {
-		t.Fatalf("done notification %q", got)
-	}
-	if got := string(heartbeatNotif([]string{"a", "b"})); got != "HB:a,b" {
-		t.Fatalf("heartbeat %q", got)
-	}
-	n, ok := parseNotif("cmpl-1:x:2")
-	if !ok || n.heartbeat || n.reqID != "cmpl-1:x" || n.consumers != 2 {
-		t.Fatalf("parse done: %+v %v", n, ok)
-	}
-	n, ok = parseNotif("HB:a,b")
-	if !ok || !n.heartbeat || !slices.Equal(n.ids, []string{"a", "b"}) {
-		t.Fatalf("parse heartbeat: %+v %v", n, ok)
-	}
-	for _, bad := range []string{"", "req", "req:", "req:0", "req:-1", "req:x", "req:1.5"} {
-		if n, ok := parseNotif(bad); ok {
-			t.Errorf("%q parsed as %+v", bad, n)
-		}
-	}
-}
-
 // Leases on the injected clock: Extend never creates or shortens, Raise
 // never lowers, Expired removes exactly the passed ones, in order.
 func TestLeases(t *testing.T) {

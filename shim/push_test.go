@@ -2,87 +2,14 @@ package shim
 
 import (
 	"bytes"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
 	"testing"
 
-	"github.com/vmihailenco/msgpack/v5"
-
 	"github.com/gonixl/gonixl/nixl/nixltest"
 )
-
-// The registration's bytes are vLLM's: msgspec.msgpack.encode of the same
-// dict (keys in vLLM's order), prefixed with PUSH_REG:. Produced with
-// msgspec 0.19 from vLLM's requirements:
-//
-//	b"PUSH_REG:" + msgspec.msgpack.encode({"request_id": "cmpl-abc-0-1a2b3c4d",
-//	  "decode_engine_id": "D", "decode_host": "10.0.0.2", "decode_port": 5600,
-//	  "decode_tp_size": 1, "local_block_ids": ([3, 4, 70000], []),
-//	  "remote_engine_id": "P", "remote_host": "10.0.0.1", "remote_port": 5601,
-//	  "remote_tp_size": 1, "remote_pp_size": 1})
-const vllmPushReg = "505553485f5245473a8baa726571756573745f6964b3636d706c2d6162632d302d3161326233633464b06465636f64655f656e67696e655f6964a144ab6465636f64655f686f7374a831302e302e302e32ab6465636f64655f706f7274cd15e0ae6465636f64655f74705f73697a6501af6c6f63616c5f626c6f636b5f69647392930304ce0001117090b072656d6f74655f656e67696e655f6964a150ab72656d6f74655f686f7374a831302e302e302e31ab72656d6f74655f706f7274cd15e1ae72656d6f74655f74705f73697a6501ae72656d6f74655f70705f73697a6501"
-
-func TestPushRegistrationBytesAreVLLMs(t *testing.T) {
-	reg := &pushReg{RequestID: "cmpl-abc-0-1a2b3c4d", DecodeEngineID: "D", DecodeHost: "10.0.0.2", DecodePort: 5600, DecodeTPSize: 1,
-		LocalBlockIDs: BlockIDs{{3, 4, 70000}, {}}, RemoteEngineID: "P", RemoteHost: "10.0.0.1", RemotePort: 5601, RemoteTPSize: 1, RemotePPSize: 1}
-	got, err := encodePushReg(reg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want, _ := hex.DecodeString(vllmPushReg)
-	if !bytes.Equal(got, want) {
-		t.Fatalf("registration bytes\n got %x\nwant %x", got, want)
-	}
-	back, err := decodePushReg(want[len(pushRegPrefix):])
-	if err != nil {
-		t.Fatal(err)
-	}
-	if back.RequestID != reg.RequestID || back.DecodeEngineID != "D" || back.DecodeHost != "10.0.0.2" || back.DecodePort != 5600 ||
-		back.DecodeTPSize != 1 || len(back.LocalBlockIDs) != 2 || back.LocalBlockIDs[0][2] != 70000 || len(back.LocalBlockIDs[1]) != 0 {
-		t.Fatalf("decoded %+v", back)
-	}
-}
-
-func TestPushRegistrationRefusesGarbage(t *testing.T) {
-	good, _ := hex.DecodeString(vllmPushReg)
-	body := good[len(pushRegPrefix):]
-	cases := map[string][]byte{
-		"empty":       nil,
-		"not a map":   {0x93, 1, 2, 3},
-		"truncated":   body[:len(body)-3],
-		"wrong types": mustMsgpack(t, map[string]any{"request_id": 7, "decode_engine_id": "D", "decode_host": "h", "decode_port": 1, "decode_tp_size": 1, "local_block_ids": []any{}}),
-		"bad port":    mustMsgpack(t, map[string]any{"request_id": "r", "decode_engine_id": "D", "decode_host": "h", "decode_port": 70000, "decode_tp_size": 1, "local_block_ids": []any{}}),
-		"neg block":   mustMsgpack(t, map[string]any{"request_id": "r", "decode_engine_id": "D", "decode_host": "h", "decode_port": 1, "decode_tp_size": 1, "local_block_ids": []any{[]any{-1}}}),
-		"no blocks":   mustMsgpack(t, map[string]any{"request_id": "r", "decode_engine_id": "D", "decode_host": "h", "decode_port": 1, "decode_tp_size": 1}),
-	}
-	for name, b := range cases {
-		if _, err := decodePushReg(b); err == nil {
-			t.Errorf("%s: accepted", name)
-		}
-	}
-	// A flat list is one group, as vLLM accepts it.
-	r, err := decodePushReg(mustMsgpack(t, map[string]any{"request_id": "r", "decode_engine_id": "D", "decode_host": "h", "decode_port": 1, "decode_tp_size": 1, "local_block_ids": []any{5, 6}}))
-	if err != nil || len(r.LocalBlockIDs) != 1 || r.LocalBlockIDs[0][1] != 6 {
-		t.Fatalf("flat list: %+v %v", r, err)
-	}
-}
-
-func TestBaseRequestID(t *testing.T) {
-	for in, want := range map[string]string{
-		"cmpl-x-0-1a2b3c4d":   "cmpl-x-0",
-		"cmpl-x-0-1A2B3C4D":   "cmpl-x-0",
-		"cmpl-x-0":            "cmpl-x-0",
-		"cmpl-x-0-1a2b3c4":    "cmpl-x-0-1a2b3c4",
-		"chatcmpl-y-deadbeef": "chatcmpl-y",
-	} {
-		if got := baseRequestID(in); got != want {
-			t.Errorf("baseRequestID(%q) = %q, want %q", in, got, want)
-		}
-	}
-}
 
 // pushPair builds a push-mode prefill and decode on one fake engine.
 func pushPair(t *testing.T, clock *FakeClock, extra map[string]any, script ...nixltest.Script) (*nixltest.Engine, *side, *side) {
@@ -209,7 +136,7 @@ func TestPushBothOrders(t *testing.T) {
 			if regFirst {
 				pushDecode(t, d, p, did, "cmpl-x-0", 12, []int64{9, 10}, []int64{8})
 				// The registration arrives; the prefill has nothing yet.
-				p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+				p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.push.regs) == 1 })
 				params = pushPrefill(t, p, pid, []int64{3, 4, 5}, 12)
 			} else {
 				params = pushPrefill(t, p, pid, []int64{3, 4, 5}, 12)
@@ -236,8 +163,8 @@ func TestPushBothOrders(t *testing.T) {
 				}
 			}
 			p.waitFinished(t, "prefill frees", func(f Finished) bool { return contains(append(f.Sending, pf.Sending...), pid) })
-			if len(p.work.pushSends) != 0 || len(p.work.pushRegs) != 0 {
-				t.Fatalf("prefill kept push state: %d sends, %d registrations", len(p.work.pushSends), len(p.work.pushRegs))
+			if len(p.work.push.sends) != 0 || len(p.work.push.regs) != 0 {
+				t.Fatalf("prefill kept push state: %d sends, %d registrations", len(p.work.push.sends), len(p.work.push.regs))
 			}
 		})
 	}
@@ -254,7 +181,7 @@ func TestPushRegistrationTimeout(t *testing.T) {
 	clock.Advance(3) // the prefill's lease ends
 	p.waitFinished(t, "lease expiry", func(f Finished) bool { return contains(f.Sending, "cmpl-y-0-aaaaaaaa") })
 	pushDecode(t, d, p, "cmpl-y-0-bbbbbbbb", "cmpl-y-0", 4, []int64{9}, nil)
-	p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+	p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.push.regs) == 1 })
 	if f := d.finished(t); len(f.Recving)+len(f.Failed) != 0 {
 		t.Fatalf("decode finished early: %+v", f)
 	}
@@ -268,7 +195,7 @@ func TestPushRegistrationTimeout(t *testing.T) {
 		p.finished(t)
 		return contains(f.Recving, "cmpl-y-0-bbbbbbbb")
 	})
-	if len(p.work.pushRegs) != 0 {
+	if len(p.work.push.regs) != 0 {
 		t.Fatal("the prefill kept the cancelled registration")
 	}
 	_ = f
@@ -325,15 +252,6 @@ func TestPushConfig(t *testing.T) {
 	if err := c.applyDefaults(); err == nil {
 		t.Fatal("transfer_mode sideways accepted")
 	}
-}
-
-func mustMsgpack(t *testing.T, v any) []byte {
-	t.Helper()
-	b, err := msgpack.Marshal(v)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
 }
 
 // A registration matched by request id whose prompt digest differs from the
@@ -486,7 +404,7 @@ func TestPushAbortedDecodeCancelsAtOnce(t *testing.T) {
 	clock := NewFakeClock(100)
 	_, p, d := pushPair(t, clock, map[string]any{"push_registration_timeout": 300})
 	pushDecode(t, d, p, "cmpl-ab-0-bbbbbbbb", "cmpl-ab-0", 4, []int64{9}, nil)
-	p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+	p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.push.regs) == 1 })
 	dp := mustParams(t, `{"do_remote_prefill": false, "remote_engine_id": "engine-p"}`)
 	if _, _, err := d.sched.RequestFinished("cmpl-ab-0-bbbbbbbb", dp, false, 0, BlockIDs{{9}}); err != nil {
 		t.Fatal(err)
@@ -496,7 +414,7 @@ func TestPushAbortedDecodeCancelsAtOnce(t *testing.T) {
 		p.finished(t)
 		return contains(f.Failed, "cmpl-ab-0-bbbbbbbb") && contains(f.Recving, "cmpl-ab-0-bbbbbbbb")
 	})
-	if len(p.work.pushRegs) != 0 {
+	if len(p.work.push.regs) != 0 {
 		t.Fatal("the prefill kept the aborted request's registration")
 	}
 }
@@ -528,7 +446,7 @@ func TestPushEarlyWriteAfterTheForward(t *testing.T) {
 				pblocks, dblocks := []int64{1 + r, 2 + r, 3 + r}, []int64{8 + r, 9 + r, 10 + r}
 				if tc.regFirst {
 					pushDecode(t, d, p, did, client, 12, dblocks, nil)
-					p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.pushRegs) == 1 })
+					p.waitFinished(t, "registration stored", func(Finished) bool { return len(p.work.push.regs) == 1 })
 				}
 				in := mustParams(t, `{"do_remote_decode": true}`)
 				if _, err := p.sched.UpdateStateAfterAlloc(pid, in, nil, []int64{0}, 0); err != nil {
@@ -538,7 +456,7 @@ func TestPushEarlyWriteAfterTheForward(t *testing.T) {
 					t.Fatal(err)
 				}
 				p.step(t) // the step that completes the prompt
-				if ps := p.work.pushSends[pid]; ps == nil || len(ps.xfers) != 0 {
+				if ps := p.work.push.sends[pid]; ps == nil || len(ps.xfers) != 0 {
 					t.Fatalf("WRITE posted at start_load_kv, before the forward: %+v", ps)
 				}
 				for l := 0; l < tLayers; l++ { // the forward fills the blocks
@@ -582,14 +500,14 @@ func TestPushEarlyWriteAfterTheForward(t *testing.T) {
 					if contains(sent, pid) {
 						t.Fatal("finished_sending reported before request_finished: vLLM would free a running request's blocks")
 					}
-					if _, ok := p.work.pushEarlyDone[pid]; !ok {
+					if _, ok := p.work.push.earlyDone[pid]; !ok {
 						t.Fatal("the finished early WRITE is not remembered for its request_finished")
 					}
 					finish()
 				}
 				p.waitFinished(t, "prefill frees", func(f Finished) bool { return contains(append(f.Sending, sent...), pid) })
-				if len(p.work.pushSends)+len(p.work.pushRegs)+len(p.work.pushEarlyDone) != 0 {
-					t.Fatalf("prefill kept push state: %d sends, %d registrations, %d early", len(p.work.pushSends), len(p.work.pushRegs), len(p.work.pushEarlyDone))
+				if len(p.work.push.sends)+len(p.work.push.regs)+len(p.work.push.earlyDone) != 0 {
+					t.Fatalf("prefill kept push state: %d sends, %d registrations, %d early", len(p.work.push.sends), len(p.work.push.regs), len(p.work.push.earlyDone))
 				}
 			}
 		})

@@ -8,12 +8,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sort"
 
 	"go.uber.org/zap"
 
 	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 type recvState struct {
@@ -122,19 +124,47 @@ func (w *Worker) readLocked(st *recvState) {
 		w.registerPushLocked(st, re)
 		return
 	}
+	if rm.Instance != "" && rm.Instance != re.instance {
+		// The params were made by another process than the one serving
+		// this engine id at this address now (a restart): its blocks hold
+		// other KV. Not read, and not notified either (the new process
+		// has no such request).
+		w.stats.RecordFailedTransfer()
+		w.failLocked(st, "transfer_setup_failed", fmt.Sprintf("engine %s restarted since it made these params (instance %s, now %q): not reading its blocks",
+			re.id, rm.Instance, re.instance), nil)
+		return
+	}
 	// vLLM's "<req>:<consumers>": how many decode ranks notify each
 	// prefill rank (tpmap.go).
-	notif := doneNotif(rm.RequestID, re.plan.consumers)
+	notif := kvwire.DoneNotif(rm.RequestID, re.plan.consumers)
 	local, remote, err := w.pairBlocks(st.meta, re)
 	if err != nil {
 		w.stats.RecordFailedTransfer()
 		w.failLocked(st, "transfer_setup_failed", err.Error(), nil)
 		return
 	}
+	readKey := re.id + "\x00" + rm.RequestID
 	if len(local) == 0 {
+		if _, reading := w.read.Deadline(readKey); reading {
+			// Another request of this worker read, or reads, these
+			// blocks: its notification (after its READ) frees them. One
+			// sent now could free them under that READ.
+			return
+		}
 		// Full local prefix hit or abort before scheduling: tell the
-		// prefill it can free its blocks now.
+		// prefill it can free its blocks now. They are then consumed: a
+		// second request with the same params must not read them.
+		w.consumeRemoteLocked(st, readKey)
+		w.released.Raise(readKey, w.clock()+2*max(w.cfg.KVLeaseDuration, w.cfg.DecoderKVBlocksTTL))
 		w.notifyRanksLocked(st, re, notif, nil, "P worker blocks will be freed after timeout. This may indicate network issues.")
+		return
+	}
+	if _, again := w.read.Deadline(readKey); again {
+		// This engine read these blocks already and told the remote it
+		// was done with them: they may hold another request's KV now.
+		w.stats.RecordFailedTransfer()
+		w.failLocked(st, "transfer_setup_failed", fmt.Sprintf("the blocks of request %s on engine %s were read by this engine already (retried or replayed kv_transfer_params); not reading blocks the remote may have reused",
+			rm.RequestID, re.id), nil)
 		return
 	}
 	if left := w.leaseLeft(st); left < w.leaseMargin {
@@ -144,6 +174,8 @@ func (w *Worker) readLocked(st *recvState) {
 			left, w.leaseMargin, w.leaseDetail(st)), nil)
 		// Nothing will be read: let the prefill free the blocks now rather
 		// than at its lease's end.
+		w.consumeRemoteLocked(st, readKey)
+		w.released.Raise(readKey, w.clock()+2*max(w.cfg.KVLeaseDuration, w.cfg.DecoderKVBlocksTTL))
 		w.notifyRanksLocked(st, re, notif, nil, "")
 		return
 	}
@@ -157,6 +189,7 @@ func (w *Worker) readLocked(st *recvState) {
 			}
 		}
 	}
+	w.consumeRemoteLocked(st, readKey)
 	read := map[string]bool{}
 	// One READ per remote rank read, each carrying its notification.
 	for _, rr := range re.ranks {
@@ -183,6 +216,19 @@ func (w *Worker) readLocked(st *recvState) {
 	// Ranks handshaken with but not read (MLA's single reader, duplicate
 	// GQA heads) are told now that this decode rank is done with them.
 	w.notifyRanksLocked(st, re, notif, read, "Remote rank will not update request state. This may indicate network issues.")
+}
+
+// consumeRemoteLocked remembers that this worker read (or told the remote
+// it will not read) the remote blocks of st, until their lease surely
+// ended (their expiry, or the longest lease either role holds when the
+// remote sent none): the remote frees them on this worker's notification,
+// so the same params again must not read them.
+func (w *Worker) consumeRemoteLocked(st *recvState, key string) {
+	until := w.clock() + 2*max(w.cfg.KVLeaseDuration, w.cfg.DecoderKVBlocksTTL)
+	if left := w.leaseLeft(st); !math.IsInf(left, 1) {
+		until = w.clock() + max(left, 0) + w.cfg.KVLeaseDuration
+	}
+	w.read.Raise(key, until)
 }
 
 // localListFor is the local descriptor list a transfer with remote rank rr
@@ -562,6 +608,12 @@ func (w *Worker) pollTransfersLocked() {
 		}
 		delete(w.recv, id)
 		w.floors.Drop(st.meta.Remote.RequestID)
+		if st.remote != nil {
+			// The READ's notification lets the remote free the blocks:
+			// heartbeats of another request with these params extend
+			// nothing from here on (sendHeartbeatsLocked).
+			w.released.Raise(st.remote.id+"\x00"+st.meta.Remote.RequestID, w.clock()+2*max(w.cfg.KVLeaseDuration, w.cfg.DecoderKVBlocksTTL))
+		}
 		if !st.report {
 			continue // notify-only: vLLM does not wait for it
 		}

@@ -35,6 +35,9 @@ type remoteEngine struct {
 	// gonixl: the remote is a gonixl engine (its metadata states its
 	// geometry); only such a peer is sent gonixl's own notifications.
 	gonixl bool
+	// instance: the gonixl scheduler process serving it ("" for a stock
+	// engine): params made by another process are not read from it.
+	instance string
 }
 
 // remoteRank is one remote TP rank this worker handshook with: its agent,
@@ -213,11 +216,15 @@ func (w *Worker) finishHandshake(engineID, host string, port int, re *remoteEngi
 	// Removed only now: after a panic above, the entry is still here and
 	// the recovery fails its waiting requests.
 	delete(w.handshakes, key)
+	// What the handshake says of the agents push waits registered with.
+	w.pushHandshakeSeenLocked(engineID, host, port, re, err)
+	// Off vLLM's thread: the next step must poll (posted READs, failures).
+	defer w.publishLocked(true)
 	if hsState == nil {
 		return
 	}
 	if len(hsState.pushWaiting)+len(hsState.cancelReplies) > 0 {
-		w.pushHandshakeDoneLocked(hsState, re, err)
+		w.pushHandshakeDoneLocked(hsState, engineID, re, err)
 	}
 	for _, id := range hsState.waiting {
 		st, ok := w.recv[id]
@@ -277,6 +284,7 @@ func (w *Worker) prepareRemote(engineID, host string, port int, plan tpPlan, res
 		}
 		re.blockRatio = ratio
 		re.gonixl = md.Geometry != ""
+		re.instance = md.Instance
 		n := int64(len(md.KVCachesBaseAddr)) * md.NumBlocks
 		if n > math.MaxInt32 || n > maxRemoteDescs(int64(len(w.layout.Regions))*w.layout.NumBlocks) {
 			return nil, fmt.Errorf("remote engine %s (tp_rank %d) advertises %d regions x %d blocks, more descriptors than this engine accepts from a peer (%d here)",
@@ -423,11 +431,14 @@ func (w *Worker) dropRemoteOnDisconnect(re *remoteEngine, err error) {
 	if w.dropRemoteLocked(re) {
 		w.log.Warn("remote engine disconnected; it will be re-handshaken on next use", zap.String("remote_engine_id", re.id))
 	}
+	w.pushPeerLostLocked(re.id)
 }
 
 // dropRemoteLocked forgets a remote engine (its prepared list and agent),
 // so the next request for it handshakes again. Transfers still in flight
-// keep their own references and finish or fail on their own.
+// keep their own references and finish or fail on their own. A push wait
+// on the engine is not ended: dropping a connection does not stop the
+// engine from writing (push_recv.go).
 func (w *Worker) dropRemoteLocked(re *remoteEngine) bool {
 	cur, ok := w.remotes[re.id]
 	if !ok || cur != re {
@@ -435,6 +446,5 @@ func (w *Worker) dropRemoteLocked(re *remoteEngine) bool {
 	}
 	delete(w.remotes, re.id)
 	re.release(w.agent)
-	w.pushWaitGoneLocked(re.id)
 	return true
 }

@@ -2,7 +2,6 @@ package shim
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"sort"
@@ -12,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"github.com/gonixl/gonixl/sidechannel"
 )
 
@@ -35,15 +35,15 @@ type Scheduler struct {
 	reqsInBatch       map[string]struct{}
 	reqsNotProcessed  map[string]struct{}
 	hbByEngine        map[string]*hbTarget
-	hbReqEngine       map[string][2]string     // local req id -> (engine, remote req id)
-	pushFinished      map[string]*PushFinished // push mode, prefill: blocks to WRITE, for the next step's metadata
-	pushEarly         map[string]*PushFinished // push mode, prefill: requests whose prompt this step completes (PushPromptDone)
-	pushWaiting       map[string]struct{}      // push mode, decode: registered requests not yet received
-	pushAborted       []string                 // push mode, decode: registered requests that finished first (next step's metadata)
+	hbReqEngine       map[string][2]string // local req id -> (engine, remote req id)
+	pushs             *pushSched           // push mode (push_sched.go)
 	lastHeartbeat     float64
 	hbInterval        float64
 	listener          *sidechannel.Listener
-	reg               *prometheus.Registry // live gauges
+	// instance: this scheduler process's random id, in the params it makes
+	// and in the handshake metadata it serves (kvwire.KeyInstance).
+	instance string
+	reg      *prometheus.Registry // live gauges
 }
 
 type hbTarget struct {
@@ -73,9 +73,8 @@ func NewScheduler(cfg *Config, clock Clock) (_ *Scheduler, err error) {
 		reqsNotProcessed: map[string]struct{}{},
 		hbByEngine:       map[string]*hbTarget{},
 		hbReqEngine:      map[string][2]string{},
-		pushFinished:     map[string]*PushFinished{},
-		pushEarly:        map[string]*PushFinished{},
-		pushWaiting:      map[string]struct{}{},
+		pushs:            newPushSched(),
+		instance:         randomSuffix(),
 		// vLLM: kv_lease_duration // 6 (integer seconds).
 		hbInterval: float64(int(cfg.KVLeaseDuration) / 6),
 	}
@@ -139,9 +138,9 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 	if p.DoRemotePrefill && s.push() {
 		// Push: the prefill WRITEs into blocks allocated here, whether or
 		// not it has finished yet; no remote block ids are needed.
-		if !p.UsableEndpoint() || !p.hasTPSize || p.RemoteRequestID == "" {
+		if !p.UsableEndpoint() || !p.HasTPSize() || p.RemoteRequestID == "" {
 			s.log.Warn("push: do_remote_prefill without remote_engine_id, remote_request_id, remote_host, remote_port and tp_size: computing the prompt locally",
-				zap.Bool("endpoint", p.UsableEndpoint()), zap.Bool("tp_size", p.hasTPSize))
+				zap.Bool("endpoint", p.UsableEndpoint()), zap.Bool("tp_size", p.HasTPSize()))
 			return 0, false
 		}
 		if count := numPromptTokens - numComputed; count > 0 {
@@ -150,7 +149,7 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 		return 0, false
 	}
 	if p.DoRemotePrefill {
-		if !p.HasRemoteBlocks || !p.UsableEndpoint() {
+		if !readable(p) {
 			// Nothing can be pulled (a broken proxy, or a prefill that kept
 			// no blocks): compute locally rather than wait for KV that no
 			// one will send.
@@ -173,7 +172,7 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 			return count, true
 		}
 	}
-	if p.DoRemoteDecode && p.HasRemoteBlocks && p.HasRemoteEndpoint() {
+	if s.readbackable(p) {
 		// Bidirectional: the prefill pulls the previous turn's KV back from
 		// the decode that holds it.
 		remote := p.RemoteNumTokens
@@ -210,6 +209,22 @@ func (s *Scheduler) GetNumNewMatchedTokens(p *TransferParams, numPromptTokens, n
 		}
 	}
 	return 0, false
+}
+
+// readable reports whether p names remote blocks that a READ can fetch:
+// blocks, a usable endpoint and the remote request id the READ's
+// notification names. GetNumNewMatchedTokens answers "async" only for such
+// params, and UpdateStateAfterAlloc schedules the READ for exactly those:
+// a request told to wait whose READ is never scheduled would wait in
+// WAITING_FOR_REMOTE_KVS for ever, holding its blocks.
+func readable(p *TransferParams) bool {
+	return p.HasRemoteBlocks && p.UsableEndpoint() && p.RemoteRequestID != ""
+}
+
+// readbackable reports whether p, a decode's params given to this
+// prefill, can be read back (bidirectional_kv_xfer): see readable.
+func (s *Scheduler) readbackable(p *TransferParams) bool {
+	return p.DoRemoteDecode && s.cfg.BidirectionalKVXfer && !p.BlocksProcessed && readable(p)
 }
 
 // push reports whether this engine runs vLLM's push protocol.
@@ -251,7 +266,7 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 	if p.DoRemotePrefill && s.push() {
 		// Push: register the newly allocated blocks with the prefill
 		// (the worker sends PUSH_REG once it has handshaken).
-		if numExternal > 0 && p.UsableEndpoint() && p.hasTPSize && p.RemoteRequestID != "" {
+		if numExternal > 0 && p.UsableEndpoint() && p.HasTPSize() && p.RemoteRequestID != "" {
 			s.addRecvLocked(reqID, &RecvReq{
 				LocalBlockIDs:    clipToWindow(localBlocks, s.cfg.TransferGroups, s.cfg.HMARequired),
 				LocalNumComputed: localNumComputed,
@@ -263,12 +278,12 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 				PromptDigest:     p.PromptDigest,
 				Remote:           RemoteMeta{Host: p.RemoteHost, Port: p.RemotePort, EngineID: p.RemoteEngineID, RequestID: p.RemoteRequestID},
 			})
-			s.pushWaiting[reqID] = struct{}{}
+			s.pushs.waiting[reqID] = struct{}{}
 		}
 		return true, nil
 	}
 	if p.HasRemoteBlocks {
-		if !p.UsableEndpoint() || p.RemoteRequestID == "" {
+		if !readable(p) {
 			s.log.Warn("invalid kv_transfer_params: this request will not use KV transfer",
 				zap.String("req_id", reqID), zap.String("reason", "remote_engine_id, remote_request_id, remote_host and remote_port (1-65535) are required"))
 		} else {
@@ -293,6 +308,7 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 					RequestID: p.RemoteRequestID,
 					Expiry:    p.RemoteExpiry,
 					NumTokens: p.RemoteNumTokens,
+					Instance:  p.Instance,
 				},
 			}
 			s.addRecvLocked(reqID, rr)
@@ -326,13 +342,7 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 	for _, id := range s.reqsNeedRecvOrder {
 		m.ReqsToRecv[id] = s.reqsNeedRecv[id]
 	}
-	if len(s.pushFinished) > 0 {
-		m.PushFinished = s.pushFinished
-	}
-	if len(s.pushEarly) > 0 {
-		m.PushEarly = s.pushEarly
-	}
-	m.PushAborted = s.pushAborted
+	s.pushs.fill(m)
 	if len(s.hbByEngine) > 0 && now-s.lastHeartbeat >= s.hbInterval {
 		s.lastHeartbeat = now
 		m.Heartbeats = make(map[string]*HeartbeatInfo, len(s.hbByEngine))
@@ -357,11 +367,6 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 	s.reqsNeedSend = map[string]float64{}
 	s.reqsInBatch = map[string]struct{}{}
 	s.reqsNotProcessed = map[string]struct{}{}
-	s.pushFinished = map[string]*PushFinished{}
-	if len(s.pushEarly) > 0 {
-		s.pushEarly = map[string]*PushFinished{}
-	}
-	s.pushAborted = nil
 	return b, nil
 }
 
@@ -376,41 +381,12 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 func (s *Scheduler) BuildMetaOrIdle() ([]byte, error) {
 	s.mu.Lock()
 	idle := len(s.reqsNeedRecv) == 0 && len(s.reqsNeedSend) == 0 && len(s.reqsInBatch) == 0 && len(s.reqsNotProcessed) == 0 &&
-		len(s.pushFinished) == 0 && len(s.pushEarly) == 0 && len(s.pushAborted) == 0 && len(s.hbByEngine) == 0
+		s.pushs.idle() && len(s.hbByEngine) == 0
 	s.mu.Unlock()
 	if idle {
 		return nil, nil
 	}
 	return s.BuildMeta()
-}
-
-// PushPromptDone (push mode, a prefill) names a request whose prompt the
-// step being scheduled completes, with its blocks: the workers WRITE them
-// as soon as that step's forward is done (Worker.GetFinished), instead of
-// after request_finished, which vLLM calls once the step's output is
-// processed and whose blocks reach the workers only with a later step's
-// metadata, after that step's forward (another prefill's, when several
-// queue). The caller guarantees that the request finishes with this step
-// (max_tokens 1) and that no block of it is freed before request_finished
-// (full-attention groups only); request_finished must then report it as a
-// push send whatever its status, so that its blocks stay held while the
-// WRITE may read them.
-func (s *Scheduler) PushPromptDone(reqID string, p *TransferParams, blockIDs BlockIDs) (err error) {
-	defer classify(&err, ErrInvalidInput)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if !s.push() {
-		return errors.New("push_prompt_done: this engine is not in push mode")
-	}
-	if p == nil || !p.DoRemoteDecode {
-		return errors.New("push_prompt_done: the request is not a prefill for a remote decode (do_remote_decode)")
-	}
-	blockIDs = clipToWindow(blockIDs, s.cfg.TransferGroups, s.cfg.HMARequired)
-	if blockIDs.Empty() {
-		return nil
-	}
-	s.pushEarly[reqID] = &PushFinished{Blocks: blockIDs, PromptDigest: p.PromptDigest}
-	return nil
 }
 
 // RequestFinished decides whether a finished request's blocks are freed now
@@ -428,13 +404,18 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 	isP := p.DoRemoteDecode
 	isD := !isP
 	s.stopHeartbeatLocked(reqID)
-	if _, ok := s.pushWaiting[reqID]; ok {
+	if _, ok := s.pushs.waiting[reqID]; ok {
 		// Finished (aborted) while waiting for the prefill's WRITE: the
 		// worker fails the wait now and asks the prefill to drop the
 		// registration, instead of holding the blocks until
 		// push_registration_timeout.
-		delete(s.pushWaiting, reqID)
-		s.pushAborted = append(s.pushAborted, reqID)
+		delete(s.pushs.waiting, reqID)
+		s.pushs.aborted = append(s.pushs.aborted, reqID)
+	}
+	if s.pushAnnouncedLocked(reqID) {
+		// Its early WRITE may be reading its blocks (an abort after the
+		// forward leaves whole KV): they are held as for any push send.
+		finishedNormally = true
 	}
 	if p.DoRemotePrefill && s.push() {
 		// Never registered (aborted before allocation): the prefill frees
@@ -443,14 +424,14 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 	}
 	if p.DoRemotePrefill {
 		// Aborted (or finished) before its KV was loaded: send the
-		// notify-only message so the prefill frees its blocks now.
-		s.addRecvLocked(reqID, &RecvReq{
-			TPSize: p.TPSize, DCPSize: p.DCPSize, PPSize: p.PPSize, RemoteBlockSize: p.RemoteBlockSize,
-			Remote: RemoteMeta{BlockIDs: p.RemoteBlockIDs, Host: p.RemoteHost, Port: p.RemotePort,
-				EngineID: p.RemoteEngineID, RequestID: p.RemoteRequestID, Expiry: p.RemoteExpiry, NumTokens: p.RemoteNumTokens},
-		})
-		if !p.UsableEndpoint() {
-			delete(s.reqsNeedRecv, reqID)
+		// notify-only message so the prefill frees its blocks now (when
+		// there is a prefill to tell).
+		if p.UsableEndpoint() {
+			s.addRecvLocked(reqID, &RecvReq{
+				TPSize: p.TPSize, DCPSize: p.DCPSize, PPSize: p.PPSize, RemoteBlockSize: p.RemoteBlockSize,
+				Remote: RemoteMeta{BlockIDs: p.RemoteBlockIDs, Host: p.RemoteHost, Port: p.RemotePort,
+					EngineID: p.RemoteEngineID, RequestID: p.RemoteRequestID, Expiry: p.RemoteExpiry, NumTokens: p.RemoteNumTokens},
+			})
 		}
 		return false, nil, nil
 	}
@@ -486,7 +467,7 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 		blockIDs = BlockIDs{}
 	}
 	blockIDs = clipToWindow(blockIDs, s.cfg.TransferGroups, s.cfg.HMARequired)
-	out := outParams{
+	out := kvwire.OutParams{
 		DoRemotePrefill: isP,
 		DoRemoteDecode:  isD,
 		RemoteBlockIDs:  blockIDs,
@@ -501,6 +482,7 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 		RemoteExpiry:    expiry,
 		ExpiryUnix:      expiryUnix,
 		TransferMode:    s.cfg.TransferMode,
+		Instance:        s.instance,
 	}
 	b, err := json.Marshal(out)
 	if err != nil {
@@ -519,31 +501,10 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 			return false, nil, err
 		}
 		if delay {
-			s.pushFinished[reqID] = &PushFinished{Blocks: blockIDs, PromptDigest: p.PromptDigest}
+			s.pushs.finished[reqID] = &PushFinished{Blocks: blockIDs, PromptDigest: p.PromptDigest}
 		}
 	}
 	return delay, b, nil
-}
-
-// outParams is the kv_transfer_params dict request_finished returns, with
-// vLLM's exact keys.
-type outParams struct {
-	DoRemotePrefill bool     `json:"do_remote_prefill"`
-	DoRemoteDecode  bool     `json:"do_remote_decode"`
-	RemoteBlockIDs  BlockIDs `json:"remote_block_ids"`
-	RemoteEngineID  string   `json:"remote_engine_id"`
-	RemoteRequestID string   `json:"remote_request_id"`
-	RemoteHost      string   `json:"remote_host"`
-	RemotePort      int      `json:"remote_port"`
-	TPSize          int      `json:"tp_size"`
-	DCPSize         int      `json:"dcp_size"`
-	PPSize          int      `json:"pp_size"`
-	RemoteNumTokens int64    `json:"remote_num_tokens"`
-	RemoteExpiry    *float64 `json:"remote_blocks_expiry_time"`
-	TransferMode    string   `json:"transfer_mode"`
-	// ExpiryUnix (gonixl's addition, a decode's params only): the Unix time
-	// at which the decode frees the blocks (decoder_kv_blocks_ttl).
-	ExpiryUnix *float64 `json:"gonixl_expiry_unix,omitempty"`
 }
 
 // UpdateConnectorOutput stops heartbeats for requests whose KV arrived.
@@ -552,7 +513,7 @@ func (s *Scheduler) UpdateConnectorOutput(finishedRecving []string) {
 	defer s.mu.Unlock()
 	for _, id := range finishedRecving {
 		s.stopHeartbeatLocked(id)
-		delete(s.pushWaiting, id)
+		delete(s.pushs.waiting, id)
 	}
 }
 
@@ -560,8 +521,15 @@ func (s *Scheduler) UpdateConnectorOutput(finishedRecving []string) {
 // (pp, tp) on the side channel, starting the listener on first use.
 func (s *Scheduler) SetHandshakePayload(pp, tp int, payload []byte) (err error) {
 	defer classify(&err, ErrInvalidInput)
-	if _, err := sidechannel.DecodeHandshakePayload(payload); err != nil {
+	hp, err := sidechannel.DecodeHandshakePayload(payload)
+	if err != nil {
 		return fmt.Errorf("handshake payload for pp_rank=%d tp_rank=%d: %w", pp, tp, err)
+	}
+	if am, err := sidechannel.DecodeAgentMetadata(hp.AgentMetadataBytes); err == nil && am.Geometry != "" {
+		// A gonixl worker's: served with this process's instance id.
+		am.Instance = s.instance
+		hp.AgentMetadataBytes = am.Encode()
+		payload = hp.Encode()
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"go.uber.org/zap"
 	"strings"
+
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 // pollNotifsLocked drains the engine's notifications (notif.go): a
@@ -18,34 +20,46 @@ import (
 func (w *Worker) pollNotifsLocked() {
 	notifs, err := w.agent.GetNotifs()
 	if err != nil {
-		w.log.Warn("draining notifications failed", zap.Error(err))
+		// A heartbeat may be among what could not be read: no lease is
+		// swept until the notifications are drained again (a decode whose
+		// heartbeat extended a lease may be reading those blocks).
+		w.notifsFailed = true
+		w.log.Warn("draining notifications failed; leases are held until it works again", zap.Error(err))
 		return
 	}
+	w.notifsFailed = false
 	for _, n := range notifs {
 		msg := string(n.Msg)
 		switch {
-		case strings.HasPrefix(msg, pushRegPrefix):
-			w.pushRegLocked(n.Agent, n.Msg[len(pushRegPrefix):])
+		case strings.HasPrefix(msg, kvwire.PushRegPrefix):
+			w.pushRegLocked(n.Agent, n.Msg[len(kvwire.PushRegPrefix):])
 			continue
-		case strings.HasPrefix(msg, pushCancelPrefix):
-			w.pushCancelLocked(n.Agent, n.Msg[len(pushCancelPrefix):])
+		case strings.HasPrefix(msg, kvwire.PushCancelPrefix):
+			w.pushCancelLocked(n.Agent, n.Msg[len(kvwire.PushCancelPrefix):])
 			continue
 		case w.pushNotifLocked(n.Agent, msg):
 			continue
 		}
-		nt, ok := parseNotif(msg)
+		nt, ok := kvwire.ParseNotif(msg)
 		if !ok {
 			w.log.Warn("malformed notification", zap.String("from", n.Agent), zap.String("msg", msg))
 			continue
 		}
-		if nt.heartbeat {
+		if nt.Heartbeat {
 			exp := w.clock() + w.leaseExtend
-			for _, id := range nt.ids {
-				w.held.Extend(id, exp)
+			for _, id := range nt.IDs {
+				if _, held := w.held.Deadline(id); held {
+					w.held.Extend(id, exp)
+				} else {
+					// Its lease is not installed yet (the step that
+					// carries it has not reached this worker): the decode
+					// counts on this heartbeat, so it applies when it is.
+					w.earlyHeartbeatLocked(id, exp)
+				}
 			}
 			continue
 		}
-		id, want := nt.reqID, nt.consumers
+		id, want := nt.ReqID, nt.Consumers
 		_, sending := w.held.Deadline(id)
 		_, processing := w.toProcess[id]
 		if !sending && !processing {
@@ -90,18 +104,50 @@ func (w *Worker) holdForReadersLocked(m *StepMeta) {
 		if m.SchedulerClock != 0 {
 			exp = now + (exp - m.SchedulerClock) // rebase to this worker's clock
 		}
+		if hb, ok := w.earlyHB.Deadline(id); ok {
+			w.earlyHB.Drop(id)
+			exp = max(exp, hb)
+		}
 		w.held.Hold(id, exp)
 	}
 }
 
-// sweepLeasesLocked frees every request whose lease has passed.
+// maxEarlyHeartbeats bounds the heartbeats kept for leases not installed
+// yet (a decode's word, so bounded).
+const maxEarlyHeartbeats = 1 << 16
+
+// earlyHeartbeatLocked keeps a heartbeat for a lease this worker has not
+// installed yet, until the extension it grants has passed.
+func (w *Worker) earlyHeartbeatLocked(id string, exp float64) {
+	if w.earlyHB.Len() >= maxEarlyHeartbeats {
+		w.earlyHB.Expired()
+		if w.earlyHB.Len() >= maxEarlyHeartbeats {
+			return
+		}
+	}
+	w.earlyHB.Raise(id, exp)
+}
+
+// sweepLeasesLocked frees every request whose lease has passed, unless
+// the last drain of notifications failed.
 func (w *Worker) sweepLeasesLocked() {
+	if w.notifsFailed {
+		return
+	}
+	w.earlyHB.Expired()
 	for _, id := range w.held.Expired() {
-		if ps := w.pushSends[id]; ps != nil && len(ps.xfers) > 0 {
-			// Our own WRITE still reads these blocks: they are freed when
-			// it ends (bounded by transfer_timeout).
-			w.held.Hold(id, w.clock()+1)
-			continue
+		if ps := w.push.sends[id]; ps != nil {
+			if len(ps.xfers) > 0 {
+				// Our own WRITE still reads these blocks: they are freed
+				// when it ends (bounded by transfer_timeout) or, failed,
+				// when its handles are released.
+				w.held.Hold(id, w.clock()+1)
+				continue
+			}
+			// Not posted yet (no registration, or a handshake with the
+			// decode pending): the blocks go back to vLLM now, so they
+			// are never written.
+			w.abandonPushLocked(ps)
 		}
 		n := w.consumers[id]
 		delete(w.consumers, id)

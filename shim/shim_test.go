@@ -16,6 +16,7 @@ import (
 
 	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/nixl/nixltest"
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 const (
@@ -177,15 +178,16 @@ func (sd *side) step(t *testing.T) {
 
 func (sd *side) finished(t *testing.T) Finished {
 	t.Helper()
+	// Through the binary form the C ABI returns.
 	b, err := sd.work.GetFinished()
 	if err != nil {
 		t.Fatal(err)
 	}
-	var f Finished
-	if err := json.Unmarshal(b, &f); err != nil {
+	f, err := kvwire.DecodeFinished(b)
+	if err != nil {
 		t.Fatal(err)
 	}
-	return f
+	return *f
 }
 
 // waitFinished polls until pred holds, collecting results; bounded.
@@ -260,7 +262,8 @@ func TestRequestFinishedParamsKeys(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []string{"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
-		"remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode"}
+		"remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode",
+		"gonixl_instance"}
 	if len(got) != len(want) {
 		t.Errorf("got %d keys %v, want %d", len(got), got, len(want))
 	}

@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/shim/kvwire"
 	"github.com/gonixl/gonixl/sidechannel"
 )
 
@@ -37,34 +38,6 @@ type WorkerInit struct {
 	// layouts: "cpu_attn:vec", "cpu_attn:amx"); "" elsewhere. Two gonixl
 	// peers that both state one must state the same.
 	KernelLayout string `json:"kernel_layout,omitempty"`
-}
-
-// Finished is what get_finished reports for one step.
-type Finished struct {
-	Sending []string `json:"finished_sending"`
-	Recving []string `json:"finished_recving"`
-	Failed  []string `json:"failed_recving"`
-	// Reshape lists, by request, the blocks of a finished READ from a
-	// prefill of a smaller block size: the Python connector puts their
-	// tokens in this engine's order before vLLM computes from them.
-	Reshape map[string][]BlockReshape `json:"reshape,omitempty"`
-	// LoadErrorsPending and StatsPending say whether LoadErrors and Stats
-	// have something to return: the Python connector calls them only
-	// then, instead of twice more every step.
-	LoadErrorsPending bool `json:"load_errors_pending,omitempty"`
-	StatsPending      bool `json:"stats_pending,omitempty"`
-}
-
-// BlockReshape is one request's blocks of one KV-cache group read at a
-// smaller remote block size:
-// each local block received Ratio remote blocks one after another (its
-// sub-blocks); Covered is how many sub-blocks of Blocks, in order, were
-// written (the tail of the last block past it holds no prompt token and
-// is zeroed, as vLLM does).
-type BlockReshape struct {
-	Ratio   int     `json:"ratio"`
-	Blocks  []int64 `json:"blocks"`
-	Covered int     `json:"covered"`
 }
 
 // Worker is the worker-side connector state of one rank: the transfer
@@ -110,37 +83,43 @@ type Worker struct {
 	// deferred: requests whose READ waits for the agent to finish a long
 	// control call (busy.go); busySince, busyLogged, busySkips: the busy
 	// period, for its log line.
-	deferred    []string
-	busySince   float64
-	busyLogged  bool
-	busySkips   int64
-	done        Finished
-	invalid     map[int64]struct{}
-	toProcess   map[string]struct{}
-	held        *leases // prefill: requests whose blocks wait for readers
-	consumers   map[string]int
-	floors      *leases // decode: remote request id -> lower bound of its remote lease (heartbeats)
+	deferred   []string
+	busySince  float64
+	busyLogged bool
+	busySkips  int64
+	done       Finished
+	invalid    map[int64]struct{}
+	toProcess  map[string]struct{}
+	held       *leases // prefill: requests whose blocks wait for readers
+	consumers  map[string]int
+	floors     *leases // decode: remote request id -> lower bound of its remote lease (heartbeats)
+	earlyHB    *leases // prefill: heartbeats for leases not installed yet (send.go)
+	released   *leases // decode: remote blocks this worker told their engine it is done with (lease.go)
+	// read: remote block sets this worker READ or let go of (remote engine
+	// and request id), until their lease surely ended: this worker's
+	// notification lets the remote free them, so a second READ of the same
+	// params (a retry, replayed params) would read blocks it may have
+	// reused.
+	read *leases
+	// notifsFailed: the last GetNotifs failed (leases are not swept).
+	notifsFailed bool
+	// pub receives the idle state (idle.go); evictTimer bumps its counter
+	// at evictAt, the next engine_ttl eviction of an idle worker.
+	pub         Publisher
+	evictTimer  *time.Timer
+	evictAt     float64
 	pendingFin  []byte
 	leaseExtend float64
 	leaseMargin float64 // leaseMarginFor(kv_lease_duration)
 	panics      atomic.Int64
 	stuckTotal  atomic.Int64 // handles ever held because release failed
+	pushHolds   atomic.Int64 // push waits that failed and held their blocks until no WRITE could land
 	hsGuard     handshakeGuard
-	// Push mode, a prefill (push.go): finished requests' blocks and their
-	// WRITEs by request id (pushOrder: arrival order), and registrations
-	// waiting for their request (pushRegOrder: arrival order).
-	pushSends    map[string]*pushSend
-	pushOrder    []string
-	pushRegs     map[string]*pushReg
-	pushRegOrder []string
-	// Early pushes (StepMeta.PushEarly): those whose step's forward may
-	// still be running (WRITTEN from the next GetFinished on), and those
-	// whose WRITE ended before their request_finished reached this worker
-	// (reported as finished_sending then), with the time they ended.
-	pushComputing []string
-	pushEarlyDone map[string]float64
-	lastPoll      time.Time // GetFinished's last call (pollgap.go)
-	lockHolder    string    // the last section that took mu through lockTimed
+	// push: push mode, a prefill's sends and registrations (push_send.go);
+	// a decode's waits live on its recvStates (push_recv.go).
+	push       *pushSender
+	lastPoll   time.Time // GetFinished's last call (pollgap.go)
+	lockHolder string    // the last section that took mu through lockTimed
 }
 
 // NewWorker validates cfg and creates the worker side. clock may be nil.
@@ -160,21 +139,22 @@ func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
 		clock: clock,
 		log: Logger().With(zap.String("role", "worker"), zap.String("engine_id", cfg.EngineID),
 			zap.Int("tp_rank", cfg.TPRank), zap.Int("pp_rank", cfg.PPRank)),
-		prom:          prom,
-		stats:         newStats(prom),
-		remotes:       map[string]*remoteEngine{},
-		slotLists:     map[int][]nixl.DescList{},
-		subLists:      map[int]nixl.DescList{},
-		handshakes:    map[string]*handshakeState{},
-		recv:          map[string]*recvState{},
-		invalid:       map[int64]struct{}{},
-		toProcess:     map[string]struct{}{},
-		pushSends:     map[string]*pushSend{},
-		pushRegs:      map[string]*pushReg{},
-		pushEarlyDone: map[string]float64{},
-		held:          newLeases(clock),
-		consumers:     map[string]int{},
-		floors:        newLeases(clock),
+		prom:       prom,
+		stats:      newStats(prom),
+		remotes:    map[string]*remoteEngine{},
+		slotLists:  map[int][]nixl.DescList{},
+		subLists:   map[int]nixl.DescList{},
+		handshakes: map[string]*handshakeState{},
+		recv:       map[string]*recvState{},
+		invalid:    map[int64]struct{}{},
+		toProcess:  map[string]struct{}{},
+		push:       newPushSender(),
+		held:       newLeases(clock),
+		consumers:  map[string]int{},
+		floors:     newLeases(clock),
+		read:       newLeases(clock),
+		earlyHB:    newLeases(clock),
+		released:   newLeases(clock),
 		// vLLM: kv_lease_duration * 2 // 3
 		leaseExtend: float64(int(cfg.KVLeaseDuration) * 2 / 3),
 		leaseMargin: leaseMarginFor(cfg.KVLeaseDuration),
@@ -295,6 +275,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	w.blockSize, w.kvLayout, w.attnBackend = init.BlockSize, init.KVCacheLayout, init.AttnBackend
 	w.blockReshape = init.BlockReshape
 	ok = true
+	w.startIdlePoller()
 	var total uint64
 	for _, s := range layout.Storage {
 		total += s.Len
@@ -329,12 +310,16 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 		return withClass(ErrInvalidInput, err)
 	}
 	defer w.lockTimed("start_load_kv")()
+	defer w.publishLocked(false)
 	if w.agent == nil {
 		if len(m.ReqsToRecv) > 0 {
 			return withClass(ErrState, errors.New("start_load_kv before register_kv_caches"))
 		}
 		return nil
 	}
+	// First: a preempted request's WRITE must be stopped or done before
+	// this step's forward, which may overwrite its blocks.
+	w.pushPreemptedLocked(m.PushPreempted)
 	w.startReadsLocked(m)
 	w.holdForReadersLocked(m)
 	w.pushEarlyLocked(m)
@@ -348,48 +333,74 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 	return nil
 }
 
-// GetFinished polls transfers and notifications, sweeps expired leases and
-// returns what finished since the last call.
+// HandlePreemptions is vLLM's handle_preemptions, called with a step's
+// metadata before that step's forward: an announced push whose request
+// vLLM preempted has its WRITE dropped if not posted, or waited for if
+// posted, before the forward can give its blocks another request's KV
+// (push_send.go pushPreemptedLocked). start_load_kv, which vLLM calls
+// after the forward, does the same for callers without this hook.
+func (w *Worker) HandlePreemptions(metaBytes []byte) error {
+	m, err := DecodeStepMeta(metaBytes)
+	if err != nil {
+		return withClass(ErrInvalidInput, err)
+	}
+	if len(m.PushPreempted) == 0 {
+		return nil
+	}
+	defer w.lockTimed("handle_preemptions")()
+	defer w.publishLocked(false)
+	w.pushPreemptedLocked(m.PushPreempted)
+	return nil
+}
+
+// GetFinished is Poll's result in kvwire's binary form, what the C ABI's
+// gonixl_worker_get_finished returns every engine step.
 func (w *Worker) GetFinished() ([]byte, error) {
+	f := w.Poll()
+	return kvwire.AppendFinished(make([]byte, 0, 64), &f), nil
+}
+
+// Poll polls transfers and notifications, sweeps expired leases and
+// returns what finished since the last call.
+func (w *Worker) Poll() Finished {
 	defer w.lockTimed("get_finished")()
+	defer w.publishLocked(false)
 	w.notePollLocked()
 	if w.agent != nil && !w.engineBusyLocked() {
 		w.postDeferredLocked()
+		// After the step's forward (vLLM calls get_finished then): the
+		// early pushes its start_load_kv announced are computed.
 		w.pushComputedLocked()
-		t0 := time.Now()
-		w.pollTransfersLocked()
-		t1 := time.Now()
-		w.pollNotifsLocked()
-		t2 := time.Now()
-		w.sweepLeasesLocked()
-		t3 := time.Now()
-		w.evictIdleRemotesLocked()
-		w.pollPushWaitsLocked()
-		w.pollPushSendsLocked()
-		w.sweepPushLocked()
-		if t4 := time.Now(); t4.Sub(t0) >= lockHoldWarn {
-			w.log.Warn("slow get_finished", zap.Duration("transfers", t1.Sub(t0)), zap.Duration("notifications", t2.Sub(t1)),
-				zap.Duration("leases", t3.Sub(t2)), zap.Duration("evictions", t4.Sub(t3)))
-		}
+		w.pollLocked()
 	}
 	f := w.done
 	w.done = Finished{}
 	f.LoadErrorsPending = len(w.invalid) > 0
 	f.StatsPending = w.stats.Pending()
-	if f.Sending == nil {
-		f.Sending = []string{}
+	return f
+}
+
+// pollLocked polls transfers and notifications and runs the timers:
+// everything a poll does that does not depend on where vLLM's step is
+// (IdlePoll runs it too).
+func (w *Worker) pollLocked() {
+	t0 := time.Now()
+	w.pollTransfersLocked()
+	t1 := time.Now()
+	w.pollNotifsLocked()
+	t2 := time.Now()
+	w.sweepLeasesLocked()
+	w.read.Expired()
+	w.released.Expired()
+	t3 := time.Now()
+	w.evictIdleRemotesLocked()
+	w.pollPushWaitsLocked()
+	w.pollPushSendsLocked()
+	w.sweepPushLocked()
+	if t4 := time.Now(); t4.Sub(t0) >= lockHoldWarn {
+		w.log.Warn("slow get_finished", zap.Duration("transfers", t1.Sub(t0)), zap.Duration("notifications", t2.Sub(t1)),
+			zap.Duration("leases", t3.Sub(t2)), zap.Duration("evictions", t4.Sub(t3)))
 	}
-	if f.Recving == nil {
-		f.Recving = []string{}
-	}
-	if f.Failed == nil {
-		f.Failed = []string{}
-	}
-	b, err := json.Marshal(f)
-	if err != nil {
-		return nil, err
-	}
-	return b, nil
 }
 
 // LoadErrors returns (and clears) the local block ids whose load failed.
@@ -418,11 +429,20 @@ func (w *Worker) Close() error {
 		return nil
 	}
 	w.closed = true
+	if w.evictTimer != nil {
+		w.evictTimer.Stop()
+	}
+	w.publishLocked(true)
 	hs := w.hs
 	unserveMetrics(w.prom.reg)
 	var errs []error
 	for _, st := range w.recv {
 		for _, f := range st.xfers {
+			_ = f.x.Release()
+		}
+	}
+	for _, ps := range w.push.sends {
+		for _, f := range ps.xfers {
 			_ = f.x.Release()
 		}
 	}

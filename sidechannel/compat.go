@@ -24,6 +24,11 @@ const StockTransferEngine = "nixl"
 // check instead of at metadata load).
 const TransferEngineFactor = "gonixl_transfer_engine"
 
+// InstanceKey is gonixl's agent-metadata key for its serving scheduler's
+// instance id (AgentMetadata.Instance; the same id is kv_transfer_params'
+// gonixl_instance).
+const InstanceKey = "gonixl_instance"
+
 // CompatFactors are the inputs of vLLM's compute_nixl_compatibility_hash.
 // Strings are the Python str() forms (DType "torch.bfloat16", CacheDType
 // "auto").

@@ -137,6 +137,12 @@ type AgentMetadata struct {
 	// decoder skips the unknown key, and the field is only encoded when
 	// set, so a stock peer sees exactly vLLM's fields.
 	Geometry string
+	// Instance is gonixl's too (key "gonixl_instance", a str): the serving
+	// scheduler process's random id, also in the kv_transfer_params it
+	// makes, so that a peer reading those params from an engine that
+	// restarted under the same engine id and address (other KV in the
+	// same blocks) refuses. Encoded only when set.
+	Instance string
 }
 
 // NewAgentMetadata returns metadata with vLLM's defaults for the optional
@@ -144,14 +150,17 @@ type AgentMetadata struct {
 func NewAgentMetadata() *AgentMetadata { return &AgentMetadata{DCPSize: 1, PCPSize: 1} }
 
 // Encode returns msgspec's encoding of the dataclass: a map of all 21 fields
-// in declaration order, then gonixl_geometry when set.
+// in declaration order, then gonixl_geometry and gonixl_instance when set.
 func (m *AgentMetadata) Encode() []byte {
 	w := mpWriter{b: make([]byte, 0, 1024+len(m.AgentMetadata)+len(m.Geometry))}
+	n := 21
 	if m.Geometry != "" {
-		w.mapHeader(22)
-	} else {
-		w.mapHeader(21)
+		n++
 	}
+	if m.Instance != "" {
+		n++
+	}
+	w.mapHeader(n)
 	w.str("engine_id")
 	w.str(m.EngineID)
 	w.str("agent_metadata")
@@ -213,6 +222,10 @@ func (m *AgentMetadata) Encode() []byte {
 	if m.Geometry != "" {
 		w.str("gonixl_geometry")
 		w.str(m.Geometry)
+	}
+	if m.Instance != "" {
+		w.str(InstanceKey)
+		w.str(m.Instance)
 	}
 	return w.b
 }
@@ -301,6 +314,8 @@ func DecodeAgentMetadata(b []byte) (*AgentMetadata, error) {
 			}
 		case "gonixl_geometry":
 			m.Geometry, err = r.str()
+		case InstanceKey:
+			m.Instance, err = r.str()
 		default:
 			return false, nil
 		}

@@ -87,6 +87,8 @@ def ctype_for(c: str, lib):
         return ctypes.c_void_p
     if c == "gonixl_error_t*":
         return ctypes.POINTER(lib.Error)
+    if c == "gonixl_worker_state_t**":
+        return ctypes.POINTER(ctypes.POINTER(lib.WorkerState))
     if c in handles:
         return ctypes.c_uint64
     if c.endswith("*"):
@@ -146,8 +148,16 @@ def main() -> int:
         problems.append(f"GONIXL_ABI_VERSION {defines.get('GONIXL_ABI_VERSION')} != gonixl._lib.ABI_VERSION {_lib.ABI_VERSION}")
     if defines.get("GONIXL_ERROR_MESSAGE_SIZE") != _lib.ERROR_MESSAGE_SIZE:
         problems.append("GONIXL_ERROR_MESSAGE_SIZE differs from gonixl._lib.ERROR_MESSAGE_SIZE")
+    from gonixl import engine
+
     for cname, value in defines.items():
         if cname in ("GONIXL_ABI_VERSION", "GONIXL_ERROR_MESSAGE_SIZE"):
+            continue
+        if cname.startswith("GONIXL_FINISHED_"):
+            # get_finished's binary form: gonixl.engine reads it.
+            pyname = cname[len("GONIXL_"):]
+            if getattr(engine, pyname, None) != value:
+                problems.append(f"{cname}={value} but gonixl.engine.{pyname}={getattr(engine, pyname, None)}")
             continue
         pyname = cname[len("GONIXL_"):]
         if getattr(errors, pyname, None) != value:

@@ -3,9 +3,11 @@
 
 Prints the library and what it finds on this host, starts a prefill vLLM
 (kv_producer) and a decode vLLM (kv_consumer) with GoNixlConnector and the
-tiny fixture model, puts gonixl-proxy (toy mode) in front, sends a handful
-of requests (prompt, output, time to first token), prints the decode's
-"KV Transfer metrics" line and the NIXL Prometheus counters, and shuts
+tiny fixture model — `vllm serve`, exactly as vLLM's disaggregated-serving
+guide starts its NixlConnector — puts gonixl-proxy (toy mode) in front,
+sends a handful of requests (prompt, output, time to first token), runs a
+short `vllm bench serve` through the proxy, prints the decode's "KV
+Transfer metrics" line and the NIXL Prometheus counters, and shuts
 everything down. Every wait has a deadline; every process started here is
 stopped on exit.
 """
@@ -29,6 +31,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
 import model_task  # noqa: E402
 
 PY = os.path.join(ROOT, ".venv", "bin", "python")
+# vLLM's own command (./build.sh setup installs tools/vllm-cli over the CPU
+# build's, which cannot start: it asks for the "vllm" distribution).
+VLLM = os.path.join(ROOT, ".venv", "bin", "vllm")
 PROXY = os.path.join(ROOT, "build", "bin", "gonixl-proxy")
 MODEL = os.path.join(ROOT, "tests", "fixtures", "tiny-copy-model")
 STARTUP_DEADLINE = float(os.environ.get("GONIXL_DEMO_TIMEOUT", "600"))
@@ -133,7 +138,7 @@ def main() -> int:
         p_port, d_port, x_port, p_side, d_side = (free_port() for _ in range(5))
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                    OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_NO_USAGE_STATS="1")
-        common = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--enforce-eager", "--dtype", "float32",
+        common = [VLLM, "serve", MODEL, "--enforce-eager", "--dtype", "float32",
                   "--block-size", "32", "--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(256 << 20)]
 
         engine = os.environ.get("GONIXL_DEMO_ENGINE", "ucx")
@@ -161,6 +166,18 @@ def main() -> int:
             ok = "correct" if model_task.score(ex, out) else "WRONG"
             print(f"prompt ({len(ex.prompt)} tokens) {shown!r}\n  -> {out.strip()!r} (expected {ex.answer!r}, {ok}); "
                   f"TTFT {ttft * 1000:.0f} ms, total {total * 1000:.0f} ms")
+
+        section("vllm bench serve through gonixl-proxy (random prompts of 64 tokens, 8 output tokens)")
+        bench = subprocess.run(
+            [VLLM, "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{x_port}", "--model", MODEL,
+             "--dataset-name", "random", "--input-len", "64", "--output-len", "8", "--num-prompts", "8",
+             "--max-concurrency", "2", "--ignore-eos", "--disable-tqdm", "--seed", "1"],
+            capture_output=True, text=True, env=env, timeout=STARTUP_DEADLINE)
+        summary = [ln for ln in bench.stdout.splitlines() if re.match(r"(Successful requests|Failed requests|Mean TTFT|Output token throughput|Total token throughput)", ln)]
+        print("\n".join(summary) or bench.stdout[-2000:])
+        if bench.returncode != 0 or not any(ln.startswith("Successful requests") and ln.split()[-1] == "8" for ln in summary):
+            print(f"vllm bench serve failed (exit {bench.returncode}):\n{bench.stderr[-3000:]}")
+            return 1
 
         section("KV transfer metrics (decode)")
         pat = re.compile(r"KV Transfer metrics: .*")

@@ -845,3 +845,50 @@ func TestHostCopyIsAsync(t *testing.T) {
 		t.Fatal("Close did not return after the copy ended")
 	}
 }
+
+// A panic on the host copy's goroutine fails that transfer, and only it:
+// the process lives on, Check reports the failure, the handle releases and
+// the agent still moves bytes.
+func TestHostCopyPanicFailsTheTransfer(t *testing.T) {
+	const n = 4096
+	p := newPair(t, n, nil, false)
+	local, err := p.a.PrepDescList("", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufA), Len: n}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	remote, err := p.a.PrepDescList("B", nixl.DRAM, []nixl.Desc{{Addr: addrOf(p.bufB), Len: n}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hostCopyHook = func() { panic("injected") }
+	t.Cleanup(func() { hostCopyHook = nil })
+	x, err := p.a.MakeXfer(nixl.Read, local, []int32{0}, remote, []int32{0}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := x.Post(); err != nil {
+		t.Fatal(err)
+	}
+	st, err := wait(t, x, p.b, 10*time.Second)
+	if st != nixl.ErrBackend || err == nil || !strings.Contains(err.Error(), "panic: injected") {
+		t.Fatalf("after a panic in the copy: %v %v, want ERR_BACKEND naming the panic", st, err)
+	}
+	if err := x.Release(); err != nil {
+		t.Fatal(err)
+	}
+	hostCopyHook = nil
+	for i := range p.bufB {
+		p.bufB[i] = byte(i + 1)
+	}
+	y, err := p.a.MakeXfer(nixl.Read, local, []int32{0}, remote, []int32{0}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := y.Post(); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := wait(t, y, p.b, 10*time.Second); st != nixl.Success || !bytes.Equal(p.bufA, p.bufB) {
+		t.Fatalf("the next READ: %v %v", st, err)
+	}
+	_ = y.Release()
+}

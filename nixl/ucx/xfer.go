@@ -188,12 +188,30 @@ func (x *xfer) startHostCopy(fn string, copyFn func() C.int, mapped bool) {
 	}
 	go func() {
 		defer a.copies.Done()
+		readLocked := mapped
+		defer func() {
+			// A panic here must not kill vLLM's process: the transfer
+			// fails (Release still refuses while UCX operations of it are
+			// in flight), the locks are given back.
+			p := recover()
+			if p == nil {
+				return
+			}
+			if readLocked {
+				a.copyMu.RUnlock()
+			}
+			a.mu.Lock()
+			defer a.mu.Unlock()
+			x.copying = false
+			x.final, x.finalErr = nixl.ErrBackend, nixl.Errorf(nixl.ErrBackend, fn, "internal error in the host copy to %s: panic: %v", x.peer.name, p)
+		}()
 		if hostCopyHook != nil {
 			hostCopyHook()
 		}
 		rc := copyFn()
 		if mapped {
 			a.copyMu.RUnlock()
+			readLocked = false
 		}
 		a.mu.Lock()
 		defer a.mu.Unlock()

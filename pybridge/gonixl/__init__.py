@@ -7,8 +7,6 @@ vLLM loads the connector with
 
 from __future__ import annotations
 
-import json
-
 from . import errors
 from .errors import GoNixlError, LibraryLoadError
 
@@ -24,21 +22,21 @@ def abi_version() -> int:
 
 def library_version() -> str:
     """The library's version string."""
-    from . import _lib
+    from . import engine
 
-    return _lib.call_bytes("gonixl_version").decode()
+    return engine.library_version()
 
 
 def live_objects() -> dict:
     """The library's open scheduler and worker handles and parked results
     (test suites end by asserting all are 0). Loads the library."""
-    from . import _lib
+    from . import engine
 
-    return json.loads(_lib.call_bytes("gonixl_live_objects"))
+    return engine.live_objects()
 
 
 def probe() -> dict:
     """What the library finds on this host: version and transfer engines."""
-    from . import _lib
+    from . import engine
 
-    return json.loads(_lib.call_bytes("gonixl_probe"))
+    return engine.probe()

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from . import errors
 
 #: Must equal GONIXL_ABI_VERSION in include/gonixl.h.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 ERROR_MESSAGE_SIZE = 512
 
@@ -36,6 +36,16 @@ class Error(ctypes.Structure):
 
 
 error_p = ctypes.POINTER(Error)
+
+
+class WorkerState(ctypes.Structure):
+    """gonixl_worker_state_t: a worker's idle state, written by the library,
+    read here without a call."""
+
+    _fields_ = [("seq", ctypes.c_uint64), ("busy", ctypes.c_uint32), ("reserved", ctypes.c_uint32)]
+
+
+worker_state_pp = ctypes.POINTER(ctypes.POINTER(WorkerState))
 
 i64 = ctypes.c_int64
 i32 = ctypes.c_int32
@@ -95,6 +105,12 @@ PROTOTYPES: list[tuple[str, object, list]] = [
         status_t,
         [handle_t, buf, size, buf, size, i64_p, i64, i64_p, i64, error_p],
     ),
+    # gonixl_status_t gonixl_scheduler_push_preempted(gonixl_scheduler_t h, char *req_ids_json,
+    #     size_t json_len, gonixl_error_t *err);
+    ("gonixl_scheduler_push_preempted", status_t, [handle_t, buf, size, error_p]),
+    # gonixl_status_t gonixl_scheduler_pending_block_frees(gonixl_scheduler_t h, int32_t *out,
+    #     gonixl_error_t *err);
+    ("gonixl_scheduler_pending_block_frees", status_t, [handle_t, i32_p, error_p]),
     # gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,
     #     char *finished_recving_json, size_t json_len, gonixl_error_t *err);
     ("gonixl_scheduler_update_connector_output", status_t, [handle_t, buf, size, error_p]),
@@ -121,6 +137,9 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     # gonixl_status_t gonixl_worker_get_finished(gonixl_worker_t h, char *buf, size_t *len,
     #     gonixl_error_t *err);
     ("gonixl_worker_get_finished", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_worker_state(gonixl_worker_t h, gonixl_worker_state_t **out,
+    #     gonixl_error_t *err);
+    ("gonixl_worker_state", status_t, [handle_t, worker_state_pp, error_p]),
     # gonixl_status_t gonixl_worker_load_errors(gonixl_worker_t h, char *buf, size_t *len,
     #     gonixl_error_t *err);
     ("gonixl_worker_load_errors", status_t, [handle_t, buf, size_p, error_p]),
@@ -174,6 +193,8 @@ HOT = frozenset(
         "gonixl_scheduler_build_meta",
         "gonixl_scheduler_request_finished",
         "gonixl_scheduler_push_prompt_done",
+        "gonixl_scheduler_push_preempted",
+        "gonixl_scheduler_pending_block_frees",
         "gonixl_scheduler_update_connector_output",
         "gonixl_worker_start_load_kv",
         "gonixl_worker_get_finished",
@@ -246,6 +267,32 @@ def call(fn_name: str, *args) -> int:
     if st < 0:
         raise errors.error_for(st, err.message.decode("utf-8", "replace"))
     return st
+
+
+class Buffer:
+    """An output buffer kept across calls (the per-step results): grown when
+    the library asks for more, never allocated per call."""
+
+    def __init__(self, size: int = 4096):
+        self.buf = ctypes.create_string_buffer(size)
+        self.n = ctypes.c_size_t(0)
+        self.err = Error()
+
+
+def call_into(b: Buffer, fn_name: str, *args) -> bytes:
+    """call_bytes into a kept Buffer; only the bytes written are copied out."""
+    cdll = lib()
+    fn: Callable[..., int] = _hot.get(fn_name) or getattr(cdll, fn_name)
+    for _ in range(3):
+        b.n.value = len(b.buf)
+        st = fn(*args, b.buf, ctypes.byref(b.n), ctypes.byref(b.err))
+        if st == errors.ERR_BUFFER_TOO_SMALL:
+            b.buf = ctypes.create_string_buffer(max(b.n.value, 2 * len(b.buf)))
+            continue
+        if st < 0:
+            raise errors.error_for(st, b.err.message.decode("utf-8", "replace"))
+        return ctypes.string_at(b.buf, b.n.value)
+    raise errors.BufferTooSmallError(errors.ERR_BUFFER_TOO_SMALL, f"{fn_name}: size negotiation did not converge")
 
 
 def call_bytes(fn_name: str, *args, initial: int = 4096) -> bytes:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
-from typing import Any, Mapping, Optional, Sequence
+import struct
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 from . import _lib
 
@@ -66,32 +67,122 @@ def layer_descriptions(
     return out
 
 
-def _new(fn: str, config: Mapping[str, Any], role: str) -> int:
-    cfg = json.dumps({**config, "role": role}).encode()
+def library_version() -> str:
+    """The library's version string."""
+    return _lib.call_bytes("gonixl_version").decode()
+
+
+def live_objects() -> dict[str, int]:
+    """The library's open scheduler and worker handles and parked results."""
+    return json.loads(_lib.call_bytes("gonixl_live_objects"))
+
+
+def probe() -> dict[str, Any]:
+    """What the library finds on this host: version and transfer engines."""
+    return json.loads(_lib.call_bytes("gonixl_probe"))
+
+
+class Finished(NamedTuple):
+    """A worker's get_finished: the request ids finished sending, finished
+    receiving and failed receiving since the last call; the blocks to
+    reshape per request (read from a prefill of a smaller block size:
+    per group {"ratio", "blocks", "covered"}); and whether load_errors and
+    stats have something to return."""
+
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]
+    reshape: dict[str, list[dict[str, Any]]]
+    load_errors_pending: bool
+    stats_pending: bool
+
+
+_HEAD = struct.Struct("<6I")
+_U32 = struct.Struct("<I")
+_GROUP = struct.Struct("<3I")
+FINISHED_VERSION = 1
+FINISHED_LOAD_ERRORS_PENDING = 1
+FINISHED_STATS_PENDING = 2
+
+
+def decode_finished(b: bytes) -> Finished:
+    """gonixl_worker_get_finished's binary form (include/gonixl.h)."""
+    version, flags, ns, nr, nf, nx = _HEAD.unpack_from(b, 0)
+    if version != FINISHED_VERSION:
+        raise ValueError(f"get_finished result version {version}, this package reads {FINISHED_VERSION}")
+    if not (ns or nr or nf or nx):
+        return Finished(set(), set(), set(), {}, bool(flags & FINISHED_LOAD_ERRORS_PENDING), bool(flags & FINISHED_STATS_PENDING))
+    off = _HEAD.size
+    lists: list[set[str]] = []
+    for n in (ns, nr, nf):
+        ids = set()
+        for _ in range(n):
+            (ln,) = _U32.unpack_from(b, off)
+            off += 4
+            ids.add(b[off : off + ln].decode())
+            off += ln
+        lists.append(ids)
+    reshape: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(nx):
+        (ln,) = _U32.unpack_from(b, off)
+        rid = b[off + 4 : off + 4 + ln].decode()
+        off += 4 + ln
+        (ng,) = _U32.unpack_from(b, off)
+        off += 4
+        groups = []
+        for _ in range(ng):
+            ratio, covered, nb = _GROUP.unpack_from(b, off)
+            off += _GROUP.size
+            blocks = list(struct.unpack_from(f"<{nb}q", b, off))
+            off += 8 * nb
+            groups.append({"ratio": ratio, "blocks": blocks, "covered": covered})
+        reshape[rid] = groups
+    return Finished(
+        lists[0], lists[1], lists[2], reshape, bool(flags & FINISHED_LOAD_ERRORS_PENDING), bool(flags & FINISHED_STATS_PENDING)
+    )
+
+
+Params = Union[bytes, Mapping[str, Any], None]
+"""kv_transfer_params: a dict, or the JSON bytes of one (what a caller that
+already serialised it passes), or None / b"" for none."""
+
+
+def _new(fn: str, config: Union[bytes, Mapping[str, Any]], role: str) -> int:
+    """A handle from gonixl_<role>_new; config is the connector
+    configuration (a dict, whose role is set here, or its JSON)."""
+    cfg = config if isinstance(config, bytes) else json.dumps({**config, "role": role}).encode()
     h = _lib.handle_t()
     _lib.call(fn, cfg, len(cfg), ctypes.byref(h))
     return h.value
 
 
-def _j(x: Any) -> bytes:
+def _j(x: Params) -> bytes:
+    if isinstance(x, bytes):
+        return x
     return json.dumps(x).encode() if x else b""
+
+
+def _ids_json(ids: Iterable[str]) -> bytes:
+    return json.dumps(sorted(ids)).encode()
 
 
 class Scheduler:
     """The scheduler side (vLLM's EngineCore): request bookkeeping, leases,
     the side-channel listener. config is the connector configuration
-    (docs/ENVIRONMENT.md; the keys of include/gonixl.h's config JSON)."""
+    (docs/ENVIRONMENT.md; the keys of include/gonixl.h's config JSON).
 
-    def __init__(self, config: Mapping[str, Any]):
+    This class and :class:`Worker` are the one binding of the C ABI: every
+    call into the library goes through them (gonixl.vllm too), and a bad
+    argument surfaces as one of :mod:`gonixl.errors`' exceptions."""
+
+    def __init__(self, config: Union[bytes, Mapping[str, Any]]):
         self.handle = _new("gonixl_scheduler_new", config, "scheduler")
 
-    def on_new_request(self, req_id: str, params: Mapping[str, Any]) -> None:
+    def on_new_request(self, req_id: str, params: Params) -> None:
         r, p = req_id.encode(), _j(params)
         _lib.call("gonixl_scheduler_on_new_request", self.handle, r, len(r), p, len(p))
 
-    def get_num_new_matched_tokens(
-        self, params: Mapping[str, Any], num_prompt_tokens: int, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, params: Params, num_prompt_tokens: int, num_computed_tokens: int) -> tuple[int, bool]:
         p = _j(params)
         count, is_async = ctypes.c_int64(0), ctypes.c_int32(0)
         _lib.call(
@@ -109,7 +200,7 @@ class Scheduler:
     def update_state_after_alloc(
         self,
         req_id: str,
-        params: Mapping[str, Any],
+        params: Params,
         block_ids: Sequence[Sequence[int]],
         cached_blocks: Sequence[int],
         num_external_tokens: int,
@@ -138,20 +229,39 @@ class Scheduler:
         )
         return bool(mutated.value)
 
+    def push_prompt_done(self, req_id: str, params: Params, block_ids: Sequence[Sequence[int]]) -> None:
+        """Push mode, a prefill: the step being scheduled completes this
+        request's prompt (include/gonixl.h)."""
+        r, p = req_id.encode(), _j(params)
+        ids, n, lens, ng = flatten_groups(block_ids)
+        _lib.call("gonixl_scheduler_push_prompt_done", self.handle, r, len(r), p, len(p), ids, n, lens, ng)
+
+    def push_preempted(self, req_ids: Iterable[str]) -> None:
+        """Push mode, a prefill: the requests vLLM preempted this step."""
+        j = _ids_json(req_ids)
+        if j != b"[]":
+            _lib.call("gonixl_scheduler_push_preempted", self.handle, j, len(j))
+
+    def pending_block_frees(self) -> bool:
+        """vLLM's has_pending_block_frees (push mode's announced prompts)."""
+        out = ctypes.c_int32(0)
+        _lib.call("gonixl_scheduler_pending_block_frees", self.handle, ctypes.byref(out))
+        return bool(out.value)
+
     def build_meta(self) -> bytes:
         """This step's metadata for the workers; b"" for an idle step (no
         work, no timer pending; idle until another scheduler call)."""
         return _lib.call_bytes("gonixl_scheduler_build_meta", self.handle)
 
-    def update_connector_output(self, finished_recving: Sequence[str]) -> None:
-        if finished_recving:
-            j = json.dumps(sorted(finished_recving)).encode()
+    def update_connector_output(self, finished_recving: Iterable[str]) -> None:
+        j = _ids_json(finished_recving)
+        if j != b"[]":
             _lib.call("gonixl_scheduler_update_connector_output", self.handle, j, len(j))
 
     def request_finished(
         self,
         req_id: str,
-        params: Mapping[str, Any],
+        params: Params,
         block_ids: Sequence[Sequence[int]],
         finished_normally: bool,
         num_computed_tokens: int,
@@ -194,8 +304,9 @@ class Worker:
     """The worker side (one per TP/PP rank): KV registration, handshakes,
     READs, notifications."""
 
-    def __init__(self, config: Mapping[str, Any]):
+    def __init__(self, config: Union[bytes, Mapping[str, Any]]):
         self.handle = _new("gonixl_worker_new", config, "worker")
+        self._out: Optional[_lib.Buffer] = None
 
     def register_kv_caches(
         self,
@@ -205,12 +316,15 @@ class Worker:
         attn_backend: str = "",
         kv_cache_layout: str = "",
         block_reshape: str = "",
+        kernel_layout: str = "",
     ) -> bytes:
         """Registers the KV caches (layers from :func:`layer_descriptions`)
         and returns the handshake payload the scheduler serves.
         block_reshape is :attr:`BlockReshaper.mode` when the caller puts
         blocks read from a prefill of a smaller block size in order (see
-        get_finished's "reshape"); "" refuses such prefills."""
+        get_finished's "reshape"); "" refuses such prefills. kernel_layout
+        names the attention kernel's layout inside a block where the
+        backend does not fix it (vLLM's CPU backend)."""
         init = {
             "layers": layers,
             "num_blocks": num_blocks,
@@ -218,6 +332,7 @@ class Worker:
             "attn_backend": attn_backend,
             "kv_cache_layout": kv_cache_layout,
             "block_reshape": block_reshape,
+            "kernel_layout": kernel_layout,
         }
         j = json.dumps(init).encode()
         _lib.call("gonixl_worker_register_kv_caches", self.handle, j, len(j))
@@ -226,10 +341,19 @@ class Worker:
     def start_load_kv(self, meta: bytes) -> None:
         _lib.call("gonixl_worker_start_load_kv", self.handle, meta, len(meta))
 
-    def get_finished(self) -> dict[str, list[str]]:
-        """finished_sending, finished_recving and failed_recving since the
-        last call."""
-        return json.loads(_lib.call_bytes("gonixl_worker_get_finished", self.handle))
+    def get_finished(self) -> Finished:
+        """What finished since the last call (include/gonixl.h's binary
+        form, decoded into the sets vLLM's results are made of)."""
+        if self._out is None:
+            self._out = _lib.Buffer(4096)
+        return decode_finished(_lib.call_into(self._out, "gonixl_worker_get_finished", self.handle))
+
+    def state(self) -> _lib.WorkerState:
+        """The worker's idle state (busy, seq), in memory the library keeps
+        current: read its fields without a call (include/gonixl.h)."""
+        p = ctypes.POINTER(_lib.WorkerState)()
+        _lib.call("gonixl_worker_state", self.handle, ctypes.byref(p))
+        return p.contents
 
     def load_errors(self) -> list[int]:
         return json.loads(_lib.call_bytes("gonixl_worker_load_errors", self.handle, initial=64))

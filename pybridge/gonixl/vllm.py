@@ -23,7 +23,8 @@ import json
 import os
 import platform
 import sys
-from typing import TYPE_CHECKING, Any, Optional, cast
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, cast
 
 import torch
 
@@ -50,7 +51,7 @@ from vllm.logger import init_logger
 
 from . import _lib, errors
 from .digest import READBACK_DIGEST_KEY, READBACK_TOKENS_KEY, DigestError, matched_tokens, token_digest
-from .engine import BlockReshaper, HostStaging, flatten_groups, layer_descriptions
+from .engine import BlockReshaper, HostStaging, Scheduler, Worker, layer_descriptions
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -62,6 +63,14 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+_T = TypeVar("_T")
+
+#: How long a push decode keeps vLLM stepping after it finished a request
+#: whose blocks its worker still holds (push_recv.go): a live gonixl
+#: prefill answers a cancel within a step, and the worker asks again every
+#: 5 s and probes the prefill at 30 s.
+_PUSH_HOLD_STEPPING = 60.0
 
 # Linux x86_64: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 _SYS_ARCH_PRCTL = 158
@@ -156,6 +165,9 @@ class GoNixlHandshakeMetadata(KVConnectorHandshakeMetadata):
 # never computed from. vLLM's stock connector ignores unknown keys; params
 # from a stock prefill carry no digest and are unchecked.
 PROMPT_DIGEST_KEY = "gonixl_prompt_digest"
+# A gonixl decode's params carry the wall-clock end of its blocks' TTL (no
+# stock engine sends it): params with it come from a gonixl decode.
+EXPIRY_UNIX_KEY = "gonixl_expiry_unix"
 
 
 def prompt_digest(token_ids: Any, n: int) -> Optional[str]:
@@ -173,10 +185,6 @@ def _with_digest(params: dict[str, Any], token_ids: Any, n: int) -> Optional[byt
     if digest is None:
         return None
     return json.dumps({**params, PROMPT_DIGEST_KEY: digest}, default=_json_default).encode()
-
-
-def _s(x: Optional[str]) -> bytes:
-    return (x or "").encode()
 
 
 def _params_json(request: "Request") -> bytes:
@@ -346,12 +354,6 @@ def _pp_rank(role: str) -> int:
     return get_pp_group().rank_in_group
 
 
-def _new(fn: str, cfg: bytes) -> int:
-    h = _lib.handle_t()
-    _lib.call(fn, cfg, len(cfg), ctypes.byref(h))
-    return h.value
-
-
 class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector (pull mode, as NixlConnector) backed by libgonixl.so."""
 
@@ -374,8 +376,9 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self.engine_id = ktc.engine_id
         self.kv_cache_config = kv_cache_config
-        self._sched: int = 0
-        self._worker: int = 0
+        # The library's two sides, through its one binding (gonixl.engine).
+        self._sched: Optional[Scheduler] = None
+        self._worker: Optional[Worker] = None
         self._handshake: Optional[GoNixlHandshakeMetadata] = None
         # Host staging (vLLM's use_host_buffer): the scheduler lists the
         # blocks to copy, the worker copies through pinned host mirrors.
@@ -388,17 +391,29 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._warned_no_digest = False
         # Push mode, scheduler side (has_pending_push_work): prefill
         # requests whose blocks wait for their WRITE, decode registrations
-        # not yet handed to the worker.
+        # not yet handed to the worker, decode requests registered and not
+        # received, and those vLLM finished (an abort, a failed wait) before
+        # their finished_recving: the worker holds their blocks until no
+        # WRITE can land (the prefill's answer comes in a later step), and
+        # vLLM steps an engine without requests no more, so it is kept
+        # stepping for up to _PUSH_HOLD_STEPPING seconds (after that the
+        # next request's steps end the hold).
         self._push_sending: set[str] = set()
         self._push_registering: set[str] = set()
+        self._push_registered: set[str] = set()
+        self._push_unreceived: dict[str, float] = {}
         # Push mode, a prefill: requests for a remote decode whose blocks
         # can be WRITTEN as soon as the step that completes their prompt has
         # run, before vLLM finishes them (gonixl_scheduler_push_prompt_done):
         # max_tokens 1, so that step finishes them, and full-attention
-        # transfer groups only, so that no block of theirs is freed before
-        # request_finished. The blocks so far, per KV-cache group; then the
-        # ids announced, until their request_finished.
+        # transfer groups only (a sliding-window group frees blocks as the
+        # prompt advances). The blocks so far, per KV-cache group; and every
+        # id ever tracked, until its request_finished: a request resumed
+        # after a preemption is not tracked again (the library has the
+        # announced ones, holds preemption off while they run, and fences
+        # those vLLM preempts anyway: gonixl_scheduler_push_preempted).
         groups, _ = _transfer_groups(vllm_config, kv_cache_config)
+        self._groups = groups
         self._push_early_ok = (
             self._TRANSFER_MODE == "push"
             and role == KVConnectorRole.SCHEDULER
@@ -407,7 +422,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             and all(g["kind"] in ("full", "mla") for g in groups)
         )
         self._push_early: dict[str, tuple["Request", list[list[int]]]] = {}
-        self._push_early_sent: set[str] = set()
+        self._push_early_seen: set[str] = set()
         self._kv_on_cuda = False
         # Calls skipped while they have nothing to do: the scheduler's
         # build_meta until a scheduler call changes its state (an idle step),
@@ -416,12 +431,18 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched_dirty = True
         self._load_errors_pending = True
         self._stats_pending = True
+        # The worker's idle state (gonixl_worker_state), the change counter
+        # seen by the last get_finished, and whether this step's metadata
+        # asks for a poll.
+        self._state: Optional[_lib.WorkerState] = None
+        self._seq = -1
+        self._poll_next = True
         mode = self._TRANSFER_MODE
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _new("gonixl_scheduler_new", _config_json(vllm_config, "scheduler", kv_cache_config, mode))
+            self._sched = Scheduler(_config_json(vllm_config, "scheduler", kv_cache_config, mode))
         elif role == KVConnectorRole.WORKER:
             _request_amx_tile_permission()
-            self._worker = _new("gonixl_worker_new", _config_json(vllm_config, "worker", kv_cache_config, mode))
+            self._worker = Worker(_config_json(vllm_config, "worker", kv_cache_config, mode))
         else:
             raise ValueError(f"unsupported KVConnectorRole: {role}")
         logger.info("GoNixlConnector %s for engine %s (libgonixl %s)", role.name.lower(), self.engine_id, _lib.library_path())
@@ -507,6 +528,18 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if not p or not p.get("do_remote_decode") or p.get("_remote_blocks_processed"):
             return
         if READBACK_DIGEST_KEY not in p:
+            if p.get(EXPIRY_UNIX_KEY) is not None and p.get("remote_block_ids") and READBACK_TOKENS_KEY not in p:
+                # A gonixl decode's params (only gonixl sends its expiry)
+                # without the digest it always adds when it can: what its
+                # blocks hold is not known. Pull nothing.
+                logger.warning(
+                    "GoNixlConnector: request %s: kv_transfer_params from gonixl decode engine %s carry no token digest; "
+                    "pulling nothing (the prompt is computed here)",
+                    request.request_id,
+                    p.get("remote_engine_id"),
+                )
+                p[READBACK_TOKENS_KEY] = 0
+                return
             if p.get("remote_block_ids") and READBACK_TOKENS_KEY not in p and not self._warned_no_digest:
                 self._warned_no_digest = True
                 logger.warning(
@@ -544,11 +577,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: "Request") -> None:
         self._check_prompt_digest(request)
         self._check_readback_digest(request)
-        rid, pj = _s(request.request_id), _params_json(request)
+        pj = _params_json(request)
         if not pj:
             return
         self._sched_dirty = True
-        self._call_request("gonixl_scheduler_on_new_request", request, self._sched, rid, len(rid), pj, len(pj))
+        self._per_request(request, self._scheduler().on_new_request, request.request_id, pj)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         self._check_prompt_digest(request)
@@ -556,23 +589,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         pj = _params_json(request)
         if not pj:
             return 0, False
-        count, is_async = ctypes.c_int64(0), ctypes.c_int32(0)
         self._sched_dirty = True
-        try:
-            _lib.call(
-                "gonixl_scheduler_get_num_new_matched_tokens",
-                self._sched,
-                pj,
-                len(pj),
-                len(request.prompt_token_ids or ()),
-                num_computed_tokens,
-                ctypes.byref(count),
-                ctypes.byref(is_async),
-            )
-        except errors.InvalidArgumentError as e:
-            logger.error("GoNixlConnector: request %s has invalid kv_transfer_params, no KV transfer: %s", request.request_id, e)
-            return 0, False
-        return count.value, bool(is_async.value)
+        got = self._per_request(
+            request, self._scheduler().get_num_new_matched_tokens, pj, len(request.prompt_token_ids or ()), num_computed_tokens
+        )
+        return got if got is not None else (0, False)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         pj = _params_json(request)
@@ -583,9 +604,10 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             self._push_early_ok
             and params.get("do_remote_decode")
             and getattr(request, "max_tokens", None) == 1
-            and request.request_id not in self._push_early_sent
+            and request.request_id not in self._push_early_seen
         ):
-            self._push_early.setdefault(request.request_id, (request, []))
+            self._push_early_seen.add(request.request_id)
+            self._push_early[request.request_id] = (request, [])
         push_register = self._TRANSFER_MODE == "push" and num_external_tokens > 0 and bool(params.get("do_remote_prefill"))
         if push_register:
             # The registration carries this prompt's digest: the prefill
@@ -601,40 +623,23 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # here they are counts.
         counts: Any = [sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks]
         computed = cast("tuple[int, ...]", self.kv_cache_config.select_transfer_block_ids(counts))
-        ids, n, lens, ng = flatten_groups(groups)
         if self._staging:
             if request.kv_transfer_params and request.kv_transfer_params.get("do_remote_decode"):
                 self._need_save[request.request_id] = request
             elif groups:
                 self._stage_recv[request.request_id] = [b for g in groups for b in g]
-        comp = (ctypes.c_int64 * len(computed))(*computed)
-        mutated = ctypes.c_int32(0)
-        rid = _s(request.request_id)
         self._sched_dirty = True
-        ok = self._call_request(
-            "gonixl_scheduler_update_state_after_alloc",
-            request,
-            self._sched,
-            rid,
-            len(rid),
-            pj,
-            len(pj),
-            ids,
-            n,
-            lens,
-            ng,
-            comp,
-            len(computed),
-            num_external_tokens,
-            ctypes.byref(mutated),
+        mutated = self._per_request(
+            request, self._scheduler().update_state_after_alloc, request.request_id, pj, groups, computed, num_external_tokens
         )
-        if ok and mutated.value and request.kv_transfer_params is not None:  # never None: pj came from it
+        if mutated and request.kv_transfer_params is not None:  # never None: pj came from it
             # Mirror vLLM: the request's params now say the remote blocks
             # were taken care of.
             request.kv_transfer_params["do_remote_prefill"] = False
             request.kv_transfer_params["_remote_blocks_processed"] = True
             if push_register:
                 self._push_registering.add(request.request_id)
+                self._push_registered.add(request.request_id)
 
     def _transfer_ids(self, block_ids: Any) -> Any:
         """A request's block ids per vLLM KV-cache group, reduced to the
@@ -669,23 +674,42 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             pj = _with_digest(params, req.prompt_token_ids, req.num_prompt_tokens)
             if pj is None:
                 pj = json.dumps(params, default=_json_default).encode()
-            ids, n, lens, ng = flatten_groups(self._transfer_ids(tuple(acc)))
-            rid = _s(req_id)
-            fn = "gonixl_scheduler_push_prompt_done"
-            if self._call_request(fn, req, self._sched, rid, len(rid), pj, len(pj), ids, n, lens, ng):
-                self._push_early_sent.add(req_id)
+            done = self._per_request(req, self._scheduler().push_prompt_done, req_id, pj, self._transfer_ids(tuple(acc)))
+            if done is not None:
                 self._sched_dirty = True
                 announced = True
         return announced
 
+    def _push_preempted(self, scheduler_output: "SchedulerOutput") -> None:
+        """Push mode, a prefill: tells the library which tracked requests
+        vLLM preempted this step; it fences their early WRITEs before the
+        step's forward can overwrite the blocks."""
+        preempted = scheduler_output.preempted_req_ids
+        if not preempted:
+            return
+        ids = preempted & self._push_early_seen
+        if ids:
+            self._sched_dirty = True
+            self._scheduler().push_preempted(sorted(ids))
+
+    def has_pending_block_frees(self) -> bool:
+        """vLLM asks before it preempts a request to make room: while a
+        prompt announced for an early WRITE is not finished, the WRITE may
+        read its blocks, and vLLM waits a step instead (push mode)."""
+        if not self._push_early_seen or self._sched is None or not self._sched.handle:
+            return False
+        return self._sched.pending_block_frees()
+
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        if self._push_early_seen:
+            self._push_preempted(scheduler_output)
         push_early = bool(self._push_early) and self._push_prompts_done(scheduler_output)
         if self._sched_dirty:
             # The library answers b"" for an idle step (no work, no timer
             # pending), which stays idle until one of the calls that set
             # _sched_dirty: until then no call is made (an idle engine step
             # costs no call into the library; the worker skips its own).
-            data = _lib.call_bytes("gonixl_scheduler_build_meta", self._sched)
+            data = self._scheduler().build_meta()
             self._sched_dirty = bool(data)
         else:
             data = b""
@@ -713,9 +737,12 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             self._push_sending -= connector_output.finished_sending
         done = connector_output.finished_recving
         if done:
-            j = json.dumps(sorted(done)).encode()
+            if self._push_registered or self._push_unreceived:
+                self._push_registered -= done
+                for rid in done:
+                    self._push_unreceived.pop(rid, None)
             self._sched_dirty = True
-            _lib.call("gonixl_scheduler_update_connector_output", self._sched, j, len(j))
+            self._scheduler().update_connector_output(done)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -725,50 +752,50 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, Optional[dict[str, Any]]]:
         self._need_save.pop(request.request_id, None)
         self._push_early.pop(request.request_id, None)
-        # Announced by _push_prompts_done: its WRITE may be reading its
-        # blocks, so they are held as for any finished push, whatever the
-        # status (an abort after the prompt was computed: its KV is whole).
-        early = request.request_id in self._push_early_sent
-        self._push_early_sent.discard(request.request_id)
+        self._push_early_seen.discard(request.request_id)
+        if request.request_id in self._push_registered:
+            self._push_registered.discard(request.request_id)
+            self._push_unreceived[request.request_id] = time.monotonic()
         pj = _params_json(request)
         if not pj:
             return False, None
         from vllm.v1.request import RequestStatus
 
-        normal = early or request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        push_send = self._TRANSFER_MODE == "push" and normal and bool((request.kv_transfer_params or {}).get("do_remote_decode"))
-        if push_send:
+        # A request announced for an early WRITE is a push send whatever
+        # its status (an abort after the forward leaves whole KV a WRITE may
+        # be reading): the library knows which and overrides "normal".
+        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        # Tokens whose KV is written: with async scheduling a step that is
+        # still in flight counts in num_computed_tokens already (vLLM
+        # subtracts num_in_flight_tokens where it needs the same), and with
+        # speculative decoding the count may run past the token ids.
+        in_flight = getattr(request, "num_in_flight_tokens", 0)
+        computed = max(0, min(request.num_computed_tokens - in_flight, len(request.all_token_ids)))
+        push_prefill = self._TRANSFER_MODE == "push" and bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        transfer_ids = self._transfer_ids(block_ids)
+        if push_prefill:
+            # The decode registered blocks for its prompt: a request that
+            # ran past its prompt (max_tokens > 1) WRITEs the prompt's
+            # blocks only, with the prompt's digest (the decode writes
+            # nowhere else, and refuses a registration match without one).
+            n_prompt = request.num_prompt_tokens
+            if computed > n_prompt:
+                computed = n_prompt
+                transfer_ids = tuple(
+                    list(g)[: -(-n_prompt // gs["block_size"])] for g, gs in zip(transfer_ids, self._groups, strict=True)
+                )
             # Its WRITE goes only to a decode whose prompt has this digest.
-            pj = _with_digest(request.kv_transfer_params or {}, request.prompt_token_ids, request.num_computed_tokens) or pj
-        ids, n, lens, ng = flatten_groups(self._transfer_ids(block_ids))
-        rid = _s(request.request_id)
-        delay = ctypes.c_int32(0)
+            pj = _with_digest(request.kv_transfer_params or {}, request.prompt_token_ids, computed) or pj
         self._sched_dirty = True
-        try:
-            out = _lib.call_bytes(
-                "gonixl_scheduler_request_finished",
-                self._sched,
-                rid,
-                len(rid),
-                pj,
-                len(pj),
-                1 if normal else 0,
-                request.num_computed_tokens,
-                ids,
-                n,
-                lens,
-                ng,
-                ctypes.byref(delay),
-                initial=256 + 16 * n,
-            )
-        except errors.InvalidArgumentError as e:
-            logger.error("GoNixlConnector: request %s: %s", request.request_id, e)
+        sched = self._scheduler()
+        got = self._per_request(request, sched.request_finished, request.request_id, pj, transfer_ids, normal, computed)
+        if got is None:
             return False, None
+        delay, params = got
         if request.kv_transfer_params is not None and request.kv_transfer_params.get("do_remote_prefill"):
             request.kv_transfer_params["do_remote_prefill"] = False
-        if push_send and delay.value:
+        if push_prefill and delay:
             self._push_sending.add(request.request_id)
-        params = json.loads(out) if out else None
         if params and params.get("do_remote_prefill"):
             digest = prompt_digest(request.prompt_token_ids, params.get("remote_num_tokens") or 0)
             if digest is not None:
@@ -780,12 +807,20 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             tdigest = token_digest(request.all_token_ids, n, self._block_size)
             if tdigest is not None:
                 params[READBACK_DIGEST_KEY] = tdigest
-        return bool(delay.value), params
+        return delay, params
 
     def has_pending_push_work(self) -> bool:
         """Push mode: keeps vLLM's engine stepping while a prefill request's
-        blocks wait for their WRITE, or a registration for the worker."""
-        return bool(self._push_sending or self._push_registering)
+        blocks wait for their WRITE, a registration for the worker, or (for
+        a while) a finished decode request for its finished_recving."""
+        if self._push_sending or self._push_registering:
+            return True
+        if self._push_unreceived:
+            horizon = time.monotonic() - _PUSH_HOLD_STEPPING
+            for rid in [r for r, t in self._push_unreceived.items() if t < horizon]:
+                del self._push_unreceived[rid]
+            return bool(self._push_unreceived)
+        return False
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
@@ -795,17 +830,25 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             if not isinstance(m, GoNixlHandshakeMetadata):
                 raise ValueError(f"GoNixlConnector expects GoNixlHandshakeMetadata, got {type(m).__name__}")
             self._sched_dirty = True
-            _lib.call("gonixl_scheduler_set_handshake_payload", self._sched, pp, tp, m.payload, len(m.payload))
+            self._scheduler().set_handshake_payload(pp, tp, m.payload)
 
-    def _call_request(self, fn: str, request: "Request", *args) -> bool:
-        """Scheduler calls about one request: bad kv_transfer_params fail
-        that request's transfer with a log line, never the engine."""
+    def _scheduler(self) -> Scheduler:
+        assert self._sched is not None, "a scheduler-side call on a worker connector"
+        return self._sched
+
+    def _work(self) -> Worker:
+        assert self._worker is not None, "a worker-side call on a scheduler connector"
+        return self._worker
+
+    @staticmethod
+    def _per_request(request: "Request", fn: Callable[..., _T], *args: Any) -> Optional[_T]:
+        """A scheduler call about one request: bad kv_transfer_params fail
+        that request's transfer with a log line (None), never the engine."""
         try:
-            _lib.call(fn, *args)
-            return True
+            return fn(*args)
         except errors.InvalidArgumentError as e:
-            logger.error("GoNixlConnector: request %s: %s", request.request_id, e)
-            return False
+            logger.error("GoNixlConnector: request %s: invalid kv_transfer_params, no KV transfer: %s", request.request_id, e)
+            return None
 
     # ------------------------------------------------------------------
     # Worker side
@@ -837,19 +880,20 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             self._host = HostStaging(kv_caches, self.kv_cache_config.num_blocks)
             kv_caches = self._host.host_caches
         layers = layer_descriptions(kv_caches, specs)
-        init = {
-            "layers": layers,
-            "num_blocks": self.kv_cache_config.num_blocks,
-            "block_size": self._vllm_config.cache_config.block_size,
-            "attn_backend": backend,
-            "kv_cache_layout": layout.name,
-            "block_reshape": self._reshaper.mode,
-            "kernel_layout": kernel,
-        }
-        j = json.dumps(init).encode()
         self._kv_on_cuda = any(t.is_cuda for t in kv_caches.values())
-        _lib.call("gonixl_worker_register_kv_caches", self._worker, j, len(j))
-        self._handshake = GoNixlHandshakeMetadata(_lib.call_bytes("gonixl_worker_handshake_payload", self._worker))
+        payload = self._work().register_kv_caches(
+            layers,
+            self.kv_cache_config.num_blocks,
+            self._vllm_config.cache_config.block_size,
+            attn_backend=backend,
+            kv_cache_layout=layout.name,
+            block_reshape=self._reshaper.mode,
+            kernel_layout=kernel,
+        )
+        self._handshake = GoNixlHandshakeMetadata(payload)
+        # From here on get_finished is skipped in idle steps (the state is
+        # the library's, read without a call).
+        self._state = self._work().state()
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
         return self._handshake
@@ -860,7 +904,9 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if self._host is not None:
             self._recv_blocks.update(meta.recv)
         if meta.data:  # b"": an idle step (build_connector_meta)
-            _lib.call("gonixl_worker_start_load_kv", self._worker, meta.data, len(meta.data))
+            # A step with metadata may start work: its get_finished polls.
+            self._poll_next = True
+            self._work().start_load_kv(meta.data)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
@@ -886,25 +932,32 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                 # The library WRITEs this step's completed prompts now: the
                 # forward's kernels that fill their blocks must be done.
                 torch.cuda.synchronize()
-        r = json.loads(_lib.call_bytes("gonixl_worker_get_finished", self._worker))
+        st = self._state
+        if st is not None:
+            # An idle step (shim/idle.go): nothing in flight or held, nothing
+            # changed off this thread, no metadata this step: nothing for
+            # the library to find, and no call.
+            seq = st.seq
+            if not self._poll_next and not st.busy and seq == self._seq:
+                return KVConnectorTransferResults(finished_sending=set(), finished_recving=set(), failed_recving=set())
+            self._seq, self._poll_next = seq, False
+        r = self._work().get_finished()
         # Whether the next two per-step calls have anything to return.
-        self._load_errors_pending = bool(r.get("load_errors_pending"))
-        self._stats_pending = bool(r.get("stats_pending"))
+        self._load_errors_pending = r.load_errors_pending
+        self._stats_pending = r.stats_pending
         if self._host is not None:
-            for req in r["failed_recving"]:
+            for req in r.failed_recving:
                 self._recv_blocks.pop(req, None)
-            for req in r["finished_recving"]:
+            for req in r.finished_recving:
                 blocks = self._recv_blocks.pop(req, None)
                 if blocks:
                     self._host.load_to_device(blocks)  # before vLLM computes from them
-        for entries in r.get("reshape", {}).values():
+        for entries in r.reshape.values():
             # Read from a prefill of a smaller block size: in token order
             # before vLLM computes from them.
             self._reshaper.apply(entries)
         return KVConnectorTransferResults(
-            finished_sending=set(r["finished_sending"]),
-            finished_recving=set(r["finished_recving"]),
-            failed_recving=set(r["failed_recving"]),
+            finished_sending=r.finished_sending, finished_recving=r.finished_recving, failed_recving=r.failed_recving
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -914,7 +967,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         if not self._load_errors_pending:
             return set()
-        blocks = set(json.loads(_lib.call_bytes("gonixl_worker_load_errors", self._worker, initial=64)))
+        blocks = set(self._work().load_errors())
         if len(self.kv_cache_config.kv_cache_groups) > 1:
             # Block ids are unique only within a group: vLLM's scheduler
             # refuses invalid_block_ids for such layouts (RuntimeError in
@@ -924,17 +977,15 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return blocks
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
-        if not self._worker or not self._stats_pending:
+        if self._worker is None or not self._worker.handle or not self._stats_pending:
             return None
         self._stats_pending = False
-        raw = _lib.call_bytes("gonixl_worker_stats", self._worker)
-        if not raw:
-            return None
-        return NixlKVConnectorStats(data=json.loads(raw))
+        data = self._worker.stats()
+        return NixlKVConnectorStats(data=data) if data else None
 
     def metrics_text(self) -> str:
         """gonixl's own Prometheus registry (worker side), text format."""
-        return _lib.call_bytes("gonixl_worker_metrics", self._worker, initial=16384).decode()
+        return self._work().metrics_text()
 
     def live_counts(self) -> dict[str, int]:
         """What this connector's engines hold right now (transfer handles,
@@ -942,19 +993,19 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         remote_engines and panics. For leak checks; also served as gauges
         with GONIXL_METRICS_PORT (docs/ENVIRONMENT.md)."""
         out: dict[str, int] = {}
-        if self._worker:
-            out.update(json.loads(_lib.call_bytes("gonixl_worker_live", self._worker, initial=256)))
-        if self._sched:
-            out.update(json.loads(_lib.call_bytes("gonixl_scheduler_live", self._sched, initial=256)))
+        if self._worker is not None and self._worker.handle:
+            out.update(self._worker.live())
+        if self._sched is not None and self._sched.handle:
+            out.update(self._sched.live())
         return out
 
     def shutdown(self):
-        if self._worker:
-            h, self._worker = self._worker, 0
-            _lib.call("gonixl_worker_close", h)
-        if self._sched:
-            h, self._sched = self._sched, 0
-            _lib.call("gonixl_scheduler_close", h)
+        # The objects stay, their handles closed: a later call is the
+        # library's InvalidHandleError, never a crash.
+        if self._worker is not None:
+            self._worker.close()
+        if self._sched is not None:
+            self._sched.close()
 
 
 class GoNixlPushConnector(GoNixlConnector):

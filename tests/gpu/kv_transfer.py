@@ -137,9 +137,9 @@ class Side:
 
     def poll(self) -> None:
         f = self.work.get_finished()
-        self.sending.update(f["finished_sending"])
-        self.recving.update(f["finished_recving"])
-        self.failed.update(f["failed_recving"])
+        self.sending.update(f.finished_sending)
+        self.recving.update(f.finished_recving)
+        self.failed.update(f.failed_recving)
 
     def close(self) -> None:
         self.work.close()

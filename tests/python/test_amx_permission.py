@@ -81,4 +81,4 @@ def test_worker_role_requests_before_loading_library():
     )
     body = ast.unparse(init)
     assert "_request_amx_tile_permission()" in body
-    assert body.index("_request_amx_tile_permission()") < body.index("gonixl_worker_new")
+    assert body.index("_request_amx_tile_permission()") < body.index("Worker(")

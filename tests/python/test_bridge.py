@@ -290,6 +290,8 @@ def _dummy_args(argtypes):
             args.append((ctypes.c_int64 * 1)(0))
         elif t is _lib.i32_p:
             args.append(ctypes.byref(ctypes.c_int32(0)))
+        elif t is _lib.worker_state_pp:
+            args.append(ctypes.byref(ctypes.POINTER(_lib.WorkerState)()))
         else:
             args.append(0)
     return args
@@ -327,3 +329,35 @@ def test_hot_calls_keep_the_gil():
     for name in ("gonixl_worker_register_kv_caches", "gonixl_scheduler_new", "gonixl_worker_close"):
         assert name not in _lib.HOT
         assert not getattr(_lib.lib(), name)._flags_ & ctypes._FUNCFLAG_PYTHONAPI, name
+
+
+def test_one_binding_of_the_c_abi():
+    """Every call into the library goes through gonixl.engine's Scheduler,
+    Worker and module functions (one binding, one error mapping): no other
+    module of the package calls _lib.call or _lib.call_bytes, and every C
+    function the ctypes prototypes declare is called from the binding."""
+    import ast
+
+    pkg = os.path.join(ROOT, "pybridge", "gonixl")
+    called: set[str] = set()
+    for name in sorted(os.listdir(pkg)):
+        if not name.endswith(".py") or name == "_lib.py":
+            continue
+        tree = ast.parse(open(os.path.join(pkg, name)).read())
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("call", "call_bytes", "call_into")
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "_lib"
+            ):
+                assert name == "engine.py", f"{name}:{node.lineno} calls the library directly; go through gonixl.engine"
+            if isinstance(node, ast.Call) and name == "engine.py":
+                # _lib.call("gonixl_...", ...), _new("gonixl_..._new", ...),
+                # _lib.call_into(buffer, "gonixl_...", ...)
+                for a in node.args[:2]:
+                    if isinstance(a, ast.Constant) and isinstance(a.value, str):
+                        called.add(a.value)
+    declared = {p[0] for p in _lib.PROTOTYPES} - {"gonixl_abi_version", "gonixl_debug_panic"}
+    assert declared <= called, f"C functions without a binding method: {sorted(declared - called)}"

@@ -1119,3 +1119,46 @@ def test_larger_prefill_block_size_is_refused(connector_cls, dist_env):
         if d is not None:
             d.shutdown()
         p.shutdown()
+
+
+def test_idle_steps_make_no_call_into_the_library(connector_cls, dist_env, monkeypatch):
+    """An engine step with nothing in flight or held, and no metadata,
+    reads the worker's published state (busy, change counter) and makes no
+    call into the library on either side; a step with work calls in and
+    gets every result (issue: per-step cost)."""
+    p = h.Engine(connector_cls, "kv_producer", "engine-idle-p", P_BLOCKS)
+    d = h.Engine(connector_cls, "kv_consumer", "engine-idle-d", D_BLOCKS)
+    try:
+        _idle_steps(p, d, monkeypatch)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def _idle_steps(p, d, monkeypatch):
+    p.fill_all(-7.0)
+    d.fill_all(-3.0)
+    pre, dr, before = transfer(p, d, "idle1", 40)
+    wait_transfer_done(p, d, pre, dr)
+    finish_decode(d, dr)
+    h.run_steps([p, d], 3)  # everything reported: both sides idle
+
+    from gonixl import _lib
+
+    calls: list[str] = []
+    for name in ("call", "call_bytes", "call_into"):
+        real = getattr(_lib, name)
+
+        def counting(*args, _real=real, **kw):
+            calls.append(next((a for a in args[:2] if isinstance(a, str)), "?"))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(_lib, name, counting)
+    h.run_steps([p, d], 20)
+    assert calls == [], f"idle steps called into the library: {calls}"
+    # Work again: the calls come back, and nothing was lost meanwhile.
+    pre, dr, before = transfer(p, d, "idle2", 40)
+    wait_transfer_done(p, d, pre, dr)
+    assert "gonixl_worker_get_finished" in calls and "gonixl_scheduler_build_meta" in calls
+    assert_blocks_copied(p, d, pre.block_ids, dr.new_blocks, before)
+    finish_decode(d, dr)

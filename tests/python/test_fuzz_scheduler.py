@@ -67,10 +67,6 @@ from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 EXAMPLES = int(os.environ.get("GONIXL_FUZZ_EXAMPLES", "200"))
-# Known scheduler bugs (shim/scheduler.go, reported; see KNOWN_BUGS) are
-# tolerated and counted unless GONIXL_FUZZ_STRICT is 1 (all) or a
-# comma-separated list of their names.
-STRICT = {x.strip() for x in os.environ.get("GONIXL_FUZZ_STRICT", "").split(",") if x.strip()}
 RANDOM = os.environ.get("GONIXL_FUZZ_RANDOM") == "1"
 NUM_BLOCKS = 96  # each scheduler's block pool (block 0 is vLLM's null block)
 BS = h.BLOCK_SIZE
@@ -342,33 +338,11 @@ def _is_int(x) -> bool:
 
 _counter = iter(range(10**9))
 
-# Scheduler bugs this fuzz found, in shim/scheduler.go (not fixed here; Go
-# regression tests, skipped until the fix: TestSchedulerNoNilRecvEntry and
-# TestSchedulerAsyncImpliesRead in shim/fuzz_test.go). When they are fixed,
-# run with GONIXL_FUZZ_STRICT=1 and drop the tolerance.
-KNOWN_BUGS = {
-    # RequestFinished for a do_remote_prefill request whose params lack a
-    # usable endpoint (remote_engine_id / remote_host missing or empty):
-    # addRecvLocked appends the id to reqsNeedRecvOrder, then the entry is
-    # deleted from reqsNeedRecv but not from the order, so BuildMeta writes
-    # reqs_to_recv[id] = nil. Before shim/stepmeta.go dropped nil entries,
-    # the worker's StartLoadKV dereferenced it (panic: library poisoned).
-    "nil_recv_entry": 0,
-    # GetNumNewMatchedTokens answers (n > 0, async) where
-    # UpdateStateAfterAlloc then schedules no READ: remote_request_id
-    # missing, null or "" (GetNum does not check it), or do_remote_decode
-    # params at an engine without bidirectional_kv_xfer / with
-    # _remote_blocks_processed (GetNum's pull-back branch checks neither).
-    # The request waits in WAITING_FOR_REMOTE_KVS forever, holding its
-    # blocks.
-    "async_without_read": 0,
-}
-
-
-def known_bug(name: str, what: str) -> None:
-    if "1" in STRICT or name in STRICT:
-        raise AssertionError(f"known scheduler bug {name}: {what}")
-    KNOWN_BUGS[name] += 1
+# Two scheduler bugs this fuzz found in shim/scheduler.go, fixed, with Go
+# regression tests (shim/fuzz_test.go TestSchedulerNoNilRecvEntry and
+# TestSchedulerAsyncImpliesRead): a nil reqs_to_recv entry for a request
+# aborted with unusable params, and (n > 0, async) answered for params
+# UpdateStateAfterAlloc schedules no READ for. Both are plain failures here.
 
 
 # ----------------------------------------------------------------------
@@ -380,10 +354,7 @@ def check_meta(s: Sched, m: dict, allocated: dict[str, set[int]]) -> dict:
     """Every reqs_to_recv entry reads only blocks of its own request."""
     recv = m.get("reqs_to_recv") or {}
     for rid, rr in list(recv.items()):
-        if rr is None:
-            known_bug("nil_recv_entry", f"reqs_to_recv[{rid!r}] is nil")
-            del recv[rid]
-            continue
+        assert rr is not None, f"reqs_to_recv[{rid!r}] is nil"
         local = [b for g in (rr.get("local_block_ids") or []) for b in g]
         if not rr.get("awaiting_kvs"):
             assert local == [], f"{rid}: not awaiting KV but reads into {local}"
@@ -476,12 +447,10 @@ def run_scenario(scheds: dict[str, Sched], sc: dict) -> None:
         if is_async:
             # Told to wait for remote KV: the READ must be in this step's
             # metadata, into exactly the newly allocated blocks.
-            event("READ scheduled" if rid in recv else "async load without READ (known bug)")
-            if rid not in recv:
-                known_bug("async_without_read", f"async load of {ext} tokens but no READ scheduled for {sent!r}")
-            else:
-                assert recv[rid]["awaiting_kvs"] is True
-                assert recv[rid]["local_block_ids"] == [[b.block_id for b in new]], recv[rid]
+            event("READ scheduled")
+            assert rid in recv, f"async load of {ext} tokens but no READ scheduled for {sent!r}"
+            assert recv[rid]["awaiting_kvs"] is True
+            assert recv[rid]["local_block_ids"] == [[b.block_id for b in new]], recv[rid]
             done = KVConnectorOutput(finished_recving={rid, *sc["noise_ids"]})
         else:
             done = KVConnectorOutput(finished_recving=set(sc["noise_ids"]) or None)
@@ -499,9 +468,8 @@ def run_scenario(scheds: dict[str, Sched], sc: dict) -> None:
             allocated[rid] = set(held)
             s.conn.update_state_after_alloc(req, KVCacheBlocks((new,)), ext)
             recv = check_meta(s, s.meta(), allocated)
-            if is_async and rid not in recv:
-                known_bug("async_without_read", f"rescheduled: async load of {ext} tokens but no READ for {sent!r}")
-            elif is_async:
+            if is_async:
+                assert rid in recv, f"rescheduled: async load of {ext} tokens but no READ for {sent!r}"
                 assert recv[rid]["local_block_ids"] == [held], recv[rid]
         req.num_computed_tokens = n
         req.status = {
@@ -575,8 +543,7 @@ def test_fuzz_run_summary(scheds):
         well_formed_still_works(s)
         assert sorted(s.free) == list(range(1, NUM_BLOCKS)), f"{s.engine_id}: blocks leaked by the test itself"
     print(
-        f"\ngonixl scheduler fuzz: {EXAMPLES} examples per run (derandomize={not RANDOM}), {next(_counter)} requests; "
-        f"known scheduler bugs hit: {KNOWN_BUGS}"
+        f"\ngonixl scheduler fuzz: {EXAMPLES} examples per run (derandomize={not RANDOM}), {next(_counter)} requests"
     )
 
 

@@ -1,4 +1,4 @@
-package shim
+package kvwire
 
 import (
 	"encoding/json"
@@ -8,6 +8,8 @@ import (
 )
 
 // BlockIDs holds block ids per KV-cache group, as vLLM's BlockIds tuple.
+// Its JSON form is vLLM's list of lists; in step metadata each group is one
+// bin blob (EncodeMsgpack).
 type BlockIDs [][]int64
 
 // Empty reports whether no group has a block.
@@ -64,7 +66,10 @@ type TransferParams struct {
 	// Push mode: a prefill's finished request and a decode's registration
 	// carry it, and the prefill WRITEs only into a decode whose prompt has
 	// the same digest.
-	PromptDigest    string
+	PromptDigest string
+	// Instance (gonixl_instance, "" when absent): the id of the gonixl
+	// scheduler process that made these params.
+	Instance        string
 	BlocksProcessed bool // _remote_blocks_processed
 	hasEngine       bool
 	hasRequest      bool
@@ -86,6 +91,9 @@ func (p *TransferParams) UsableEndpoint() bool {
 	return p.HasRemoteEndpoint() && p.RemoteEngineID != "" && p.RemoteHost != "" && p.RemotePort > 0
 }
 
+// HasTPSize reports whether tp_size was given.
+func (p *TransferParams) HasTPSize() bool { return p.hasTPSize }
+
 // HasHeartbeatTarget reports whether a decode request carries what a
 // heartbeat needs (on_new_request's check).
 func (p *TransferParams) HasHeartbeatTarget() bool {
@@ -96,7 +104,6 @@ func (p *TransferParams) HasHeartbeatTarget() bool {
 // input is (nil, nil): the request has no transfer. Wrong types are errors
 // naming the key.
 func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
-	defer classify(&err, ErrInvalidInput)
 	if len(data) == 0 || string(data) == "null" {
 		return nil, nil
 	}
@@ -170,7 +177,7 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 		p.RemoteNumTokens = v
 	}
 	p.ReadbackTokens = -1
-	if v, ok, err := getInt(raw, "gonixl_readback_tokens"); err != nil {
+	if v, ok, err := getInt(raw, KeyReadbackTokens); err != nil {
 		return nil, err
 	} else if ok {
 		if v < 0 {
@@ -178,7 +185,7 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 		}
 		p.ReadbackTokens = v
 	}
-	if v, ok, err := getFloat(raw, "gonixl_expiry_unix"); err != nil {
+	if v, ok, err := getFloat(raw, KeyExpiryUnix); err != nil {
 		return nil, err
 	} else if ok {
 		if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
@@ -186,13 +193,21 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 		}
 		p.ExpiryUnix = v
 	}
-	if v, ok, err := getString(raw, "gonixl_prompt_digest"); err != nil {
+	if v, ok, err := getString(raw, KeyPromptDigest); err != nil {
 		return nil, err
 	} else if ok {
 		if len(v) > 256 {
 			return nil, fmt.Errorf("kv_transfer_params: gonixl_prompt_digest of %d bytes", len(v))
 		}
 		p.PromptDigest = v
+	}
+	if v, ok, err := getString(raw, KeyInstance); err != nil {
+		return nil, err
+	} else if ok {
+		if len(v) > 64 {
+			return nil, fmt.Errorf("kv_transfer_params: %s of %d bytes", KeyInstance, len(v))
+		}
+		p.Instance = v
 	}
 	if v, ok, err := getFloat(raw, "remote_blocks_expiry_time"); err != nil {
 		return nil, err

@@ -1,4 +1,4 @@
-package shim
+package kvwire
 
 import (
 	"bytes"
@@ -18,6 +18,7 @@ type RemoteMeta struct {
 	RequestID string   `msgpack:"request_id"`
 	Expiry    *float64 `msgpack:"expiry,omitempty"` // remote_blocks_expiry_time, remote clock
 	NumTokens int64    `msgpack:"num_tokens"`
+	Instance  string   `msgpack:"instance,omitempty"` // gonixl_instance of the params
 }
 
 // RecvReq is one request the worker must load (vLLM's ReqMeta).
@@ -86,13 +87,18 @@ type StepMeta struct {
 	// (Scheduler.PushPromptDone); their request_finished follows as
 	// PushFinished in a later step.
 	PushEarly map[string]*PushFinished `msgpack:"push_early,omitempty"`
+	// PushPreempted (push mode, a prefill): announced requests vLLM
+	// preempted before their request_finished; their WRITE is dropped if
+	// not posted, waited for if posted, before this step's forward.
+	PushPreempted []string `msgpack:"push_preempted,omitempty"`
 }
 
-// stepMetaVersion guards against a scheduler and worker from different
+// StepMetaVersion guards against a scheduler and worker from different
 // builds exchanging metadata.
-const stepMetaVersion = 2 // 2: block ids as bin blobs (BlockIDs.EncodeMsgpack)
+const StepMetaVersion = 2 // 2: block ids as bin blobs (BlockIDs.EncodeMsgpack)
 
-type stepEnvelope struct {
+// StepEnvelope is the encoded form: the version and the metadata.
+type StepEnvelope struct {
 	Version int       `msgpack:"v"`
 	Meta    *StepMeta `msgpack:"m"`
 }
@@ -104,7 +110,7 @@ func (m *StepMeta) Encode() ([]byte, error) {
 	buf := bytes.NewBuffer(make([]byte, 0, m.sizeHint()))
 	enc := msgpack.GetEncoder()
 	enc.Reset(buf)
-	err := enc.Encode(&stepEnvelope{Version: stepMetaVersion, Meta: m})
+	err := enc.Encode(&StepEnvelope{Version: StepMetaVersion, Meta: m})
 	msgpack.PutEncoder(enc)
 	if err != nil {
 		return nil, err
@@ -131,7 +137,7 @@ func (m *StepMeta) sizeHint() int {
 	for id := range m.ReqsToSend {
 		n += 10 + len(id)
 	}
-	for _, ids := range [][]string{m.ReqsInBatch, m.ReqsNotProcessed, m.PushAborted} {
+	for _, ids := range [][]string{m.ReqsInBatch, m.ReqsNotProcessed, m.PushAborted, m.PushPreempted} {
 		for _, id := range ids {
 			n += 2 + len(id)
 		}
@@ -163,15 +169,15 @@ func (m *StepMeta) sizeHint() int {
 
 // DecodeStepMeta parses metadata made by Encode. Garbage is an error.
 func DecodeStepMeta(b []byte) (*StepMeta, error) {
-	if err := checkMsgpack(b, maxStepMetaDepth); err != nil {
+	if err := CheckMsgpack(b, maxStepMetaDepth); err != nil {
 		return nil, fmt.Errorf("step metadata: %w", err)
 	}
-	var env stepEnvelope
+	var env StepEnvelope
 	if err := msgpack.Unmarshal(b, &env); err != nil {
 		return nil, fmt.Errorf("step metadata: %w", err)
 	}
-	if env.Version != stepMetaVersion {
-		return nil, fmt.Errorf("step metadata: version %d, this library speaks %d (scheduler and worker run different gonixl builds)", env.Version, stepMetaVersion)
+	if env.Version != StepMetaVersion {
+		return nil, fmt.Errorf("step metadata: version %d, this library speaks %d (scheduler and worker run different gonixl builds)", env.Version, StepMetaVersion)
 	}
 	if env.Meta == nil {
 		return nil, fmt.Errorf("step metadata: empty")

@@ -1,4 +1,4 @@
-package shim
+package kvwire
 
 import (
 	"encoding/binary"
@@ -6,11 +6,11 @@ import (
 	"fmt"
 )
 
-// maxStepMetaDepth bounds the nesting checkMsgpack accepts: step metadata
+// maxStepMetaDepth bounds the nesting CheckMsgpack accepts: step metadata
 // is at most five levels deep (envelope, meta, map, request, block groups).
 const maxStepMetaDepth = 16
 
-// checkMsgpack walks one MessagePack value in b without allocating and
+// CheckMsgpack walks one MessagePack value in b without allocating and
 // rejects what would make a decoder allocate or recurse beyond the input:
 // a string, binary or extension longer than the bytes left, an array or map
 // with more entries than bytes left (every entry takes at least one),
@@ -18,8 +18,8 @@ const maxStepMetaDepth = 16
 // 0xc1. vmihailenco/msgpack/v5 allocates what a header announces before
 // reading it (a 6-byte input can ask for 4 GiB) and skips unknown fields
 // recursively without a depth limit (a stack overflow is fatal, not a
-// panic); step metadata is checked with this first.
-func checkMsgpack(b []byte, maxDepth int) error {
+// panic); step metadata and push registrations are checked with this first.
+func CheckMsgpack(b []byte, maxDepth int) error {
 	off, err := mpValue(b, 0, maxDepth)
 	if err != nil {
 		return err

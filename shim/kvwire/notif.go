@@ -18,46 +18,47 @@
 // A notification that is neither (no ':<count>', a count that is not a
 // positive integer) is logged as malformed and ignored.
 
-package shim
+package kvwire
 
 import (
 	"strconv"
 	"strings"
 )
 
-const heartbeatPrefix = "HB:"
+// HeartbeatPrefix starts a heartbeat notification.
+const HeartbeatPrefix = "HB:"
 
-// doneNotif formats a "<req>:<consumers>" notification.
-func doneNotif(remoteReqID string, consumers int) []byte {
+// DoneNotif formats a "<req>:<consumers>" notification.
+func DoneNotif(remoteReqID string, consumers int) []byte {
 	return []byte(remoteReqID + ":" + strconv.Itoa(consumers))
 }
 
-// heartbeatNotif formats an "HB:" notification for the given request ids.
-func heartbeatNotif(reqIDs []string) []byte {
-	return []byte(heartbeatPrefix + strings.Join(reqIDs, ","))
+// HeartbeatNotif formats an "HB:" notification for the given request ids.
+func HeartbeatNotif(reqIDs []string) []byte {
+	return []byte(HeartbeatPrefix + strings.Join(reqIDs, ","))
 }
 
-// notif is a parsed notification: a heartbeat (heartbeat set, ids listed)
-// or a done notification (reqID, consumers > 0).
-type notif struct {
-	heartbeat bool
-	ids       []string
-	reqID     string
-	consumers int
+// Notif is a parsed notification: a heartbeat (Heartbeat set, IDs listed)
+// or a done notification (ReqID, Consumers > 0).
+type Notif struct {
+	Heartbeat bool
+	IDs       []string
+	ReqID     string
+	Consumers int
 }
 
-// parseNotif parses one notification; ok is false for a malformed one.
-func parseNotif(msg string) (n notif, ok bool) {
-	if ids, hb := strings.CutPrefix(msg, heartbeatPrefix); hb {
-		return notif{heartbeat: true, ids: strings.Split(ids, ",")}, true
+// ParseNotif parses one notification; ok is false for a malformed one.
+func ParseNotif(msg string) (n Notif, ok bool) {
+	if ids, hb := strings.CutPrefix(msg, HeartbeatPrefix); hb {
+		return Notif{Heartbeat: true, IDs: strings.Split(ids, ",")}, true
 	}
 	i := strings.LastIndexByte(msg, ':')
 	if i < 0 {
-		return notif{}, false
+		return Notif{}, false
 	}
 	c, err := strconv.Atoi(msg[i+1:])
 	if err != nil || c <= 0 {
-		return notif{}, false
+		return Notif{}, false
 	}
-	return notif{reqID: msg[:i], consumers: c}, true
+	return Notif{ReqID: msg[:i], Consumers: c}, true
 }
