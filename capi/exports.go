@@ -466,6 +466,15 @@ func gonixl_worker_load_errors(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t,
 	})
 }
 
+//export gonixl_worker_push_arrivals
+func gonixl_worker_push_arrivals(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onWorker(h, cerr, func(w *shim.Worker) error {
+		return consume(pendingKey{uint64(h), "push_arrivals", ""}, buf, lenp, func() ([]byte, error) {
+			return json.Marshal(w.PushArrivals())
+		})
+	})
+}
+
 //export gonixl_worker_stats
 func gonixl_worker_stats(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return onWorker(h, cerr, func(w *shim.Worker) error {

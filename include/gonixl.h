@@ -235,7 +235,8 @@ gonixl_status_t gonixl_worker_start_load_kv(gonixl_worker_t h, char *meta, size_
 /* get_finished: what finished since the last call, in a binary form
  * (little-endian; shim/kvwire/finished.go, docs/PROTOCOL.md):
  *   uint32 version (GONIXL_FINISHED_VERSION), uint32 flags
- *   (GONIXL_FINISHED_LOAD_ERRORS_PENDING, GONIXL_FINISHED_STATS_PENDING),
+ *   (GONIXL_FINISHED_LOAD_ERRORS_PENDING, GONIXL_FINISHED_STATS_PENDING,
+ *   GONIXL_FINISHED_PUSH_ARRIVALS_PENDING),
  *   uint32 counts of finished_sending, finished_recving, failed_recving and
  *   reshaped requests; then each request id of the three lists as uint32
  *   length + bytes; then per reshaped request: uint32 id length, id bytes,
@@ -248,6 +249,7 @@ gonixl_status_t gonixl_worker_get_finished(gonixl_worker_t h, char *buf, size_t 
 #define GONIXL_FINISHED_VERSION 1
 #define GONIXL_FINISHED_LOAD_ERRORS_PENDING 1
 #define GONIXL_FINISHED_STATS_PENDING 2
+#define GONIXL_FINISHED_PUSH_ARRIVALS_PENDING 4
 
 /* A worker's idle state, in memory the library writes (atomically) and the
  * caller reads without a call: busy is nonzero while the next engine step
@@ -272,6 +274,14 @@ gonixl_status_t gonixl_worker_state(gonixl_worker_t h, gonixl_worker_state_t **o
  * the call. Size-negotiated like get_finished. */
 gonixl_status_t gonixl_worker_load_errors(gonixl_worker_t h, char *buf, size_t *len,
                                           gonixl_error_t *err);
+
+/* push_arrivals (push mode, a prefill): JSON array of the base request ids
+ * (vLLM's get_base_request_id) of the decode registrations that arrived
+ * since the last call, each once; get_finished's flag
+ * GONIXL_FINISHED_PUSH_ARRIVALS_PENDING says when there are any.
+ * Size-negotiated. */
+gonixl_status_t gonixl_worker_push_arrivals(gonixl_worker_t h, char *buf, size_t *len,
+                                            gonixl_error_t *err);
 
 /* get_kv_connector_stats: JSON object of vLLM's stats lists accumulated since
  * the last call, or length 0 when there is nothing. Size-negotiated. */

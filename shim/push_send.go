@@ -103,6 +103,9 @@ type pushSender struct {
 	// their request_finished, with the time they ended.
 	computing []string
 	earlyDone map[string]float64
+	// arrived: base request ids of registrations accepted since the
+	// scheduler last asked (Worker.PushArrivals), bounded by maxPushRegs.
+	arrived []string
 }
 
 func newPushSender() *pushSender {
@@ -334,6 +337,9 @@ func (w *Worker) pushRegLocked(from string, payload []byte) {
 		return
 	}
 	reg.received, reg.from = w.clock(), from
+	if len(p.arrived) < maxPushRegs {
+		p.arrived = append(p.arrived, kvwire.BaseRequestID(reg.RequestID))
+	}
 	if ps := w.takeSendLocked(reg.RequestID); ps != nil {
 		w.matchPushLocked(ps, reg)
 		return

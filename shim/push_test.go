@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/gonixl/gonixl/nixl/nixltest"
 )
@@ -538,5 +540,40 @@ func TestPushPromptDoneRefusals(t *testing.T) {
 	}
 	if b, err := p.sched.BuildMetaOrIdle(); err != nil || b != nil {
 		t.Fatalf("the next step is not idle: %d bytes, %v", len(b), err)
+	}
+}
+
+// The prefill's workers tell its scheduler which requests a decode has
+// claimed (push admission, pybridge/gonixl/push_admission.py): each
+// registration's base request id once, flagged in get_finished, also when
+// the registration found its request already held.
+func TestPushArrivalsReportedOnce(t *testing.T) {
+	for _, regFirst := range []bool{true, false} {
+		t.Run(map[bool]string{true: "registration first", false: "prefill first"}[regFirst], func(t *testing.T) {
+			_, p, d := pushPair(t, nil, nil)
+			pid, did := "cmpl-y-0-aaaaaaaa", "cmpl-y-0-bbbbbbbb"
+			if !regFirst {
+				pushPrefill(t, p, pid, []int64{3, 4, 5}, 12)
+			}
+			if got := p.work.PushArrivals(); len(got) != 0 {
+				t.Fatalf("arrivals before any registration: %v", got)
+			}
+			pushDecode(t, d, p, did, "cmpl-y-0", 12, []int64{9, 10}, []int64{8})
+			for deadline := time.Now().Add(10 * time.Second); !p.finished(t).PushArrivalsPending; time.Sleep(2 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("get_finished never flagged the registration's arrival")
+				}
+			}
+			got := p.work.PushArrivals()
+			if !slices.Equal(got, []string{"cmpl-y-0"}) {
+				t.Fatalf("arrivals %v, want [cmpl-y-0]", got)
+			}
+			if again := p.work.PushArrivals(); len(again) != 0 {
+				t.Fatalf("arrivals reported twice: %v", again)
+			}
+			if f := p.finished(t); f.PushArrivalsPending {
+				t.Fatal("get_finished still flags arrivals after they were taken")
+			}
+		})
 	}
 }

@@ -378,7 +378,22 @@ func (w *Worker) Poll() Finished {
 	w.done = Finished{}
 	f.LoadErrorsPending = len(w.invalid) > 0
 	f.StatsPending = w.stats.Pending()
+	f.PushArrivalsPending = len(w.push.arrived) > 0
 	return f
+}
+
+// PushArrivals returns the base request ids of the decode registrations
+// that arrived since the last call (push mode, a prefill), each once: the
+// scheduler's push admission (pybridge/gonixl/push_admission.py) learns
+// from them which requests a decode has allocated blocks for.
+func (w *Worker) PushArrivals() []string {
+	defer w.lockTimed("push arrivals")()
+	out := w.push.arrived
+	w.push.arrived = nil
+	if out == nil {
+		out = []string{}
+	}
+	return out
 }
 
 // pollLocked polls transfers and notifications and runs the timers:

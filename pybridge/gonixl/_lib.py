@@ -146,6 +146,9 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     # gonixl_status_t gonixl_worker_load_errors(gonixl_worker_t h, char *buf, size_t *len,
     #     gonixl_error_t *err);
     ("gonixl_worker_load_errors", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_worker_push_arrivals(gonixl_worker_t h, char *buf, size_t *len,
+    #     gonixl_error_t *err);
+    ("gonixl_worker_push_arrivals", status_t, [handle_t, buf, size_p, error_p]),
     # gonixl_status_t gonixl_worker_stats(gonixl_worker_t h, char *buf, size_t *len,
     #     gonixl_error_t *err);
     ("gonixl_worker_stats", status_t, [handle_t, buf, size_p, error_p]),

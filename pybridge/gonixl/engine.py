@@ -87,7 +87,8 @@ class Finished(NamedTuple):
     receiving and failed receiving since the last call; the blocks to
     reshape per request (read from a prefill of a smaller block size:
     per group {"ratio", "blocks", "covered"}); and whether load_errors and
-    stats have something to return."""
+    stats have something to return, and push_arrivals (push mode, a
+    prefill)."""
 
     finished_sending: set[str]
     finished_recving: set[str]
@@ -95,6 +96,7 @@ class Finished(NamedTuple):
     reshape: dict[str, list[dict[str, Any]]]
     load_errors_pending: bool
     stats_pending: bool
+    push_arrivals_pending: bool = False
 
 
 _HEAD = struct.Struct("<6I")
@@ -103,6 +105,7 @@ _GROUP = struct.Struct("<3I")
 FINISHED_VERSION = 1
 FINISHED_LOAD_ERRORS_PENDING = 1
 FINISHED_STATS_PENDING = 2
+FINISHED_PUSH_ARRIVALS_PENDING = 4
 
 
 def decode_finished(b: bytes) -> Finished:
@@ -111,7 +114,15 @@ def decode_finished(b: bytes) -> Finished:
     if version != FINISHED_VERSION:
         raise ValueError(f"get_finished result version {version}, this package reads {FINISHED_VERSION}")
     if not (ns or nr or nf or nx):
-        return Finished(set(), set(), set(), {}, bool(flags & FINISHED_LOAD_ERRORS_PENDING), bool(flags & FINISHED_STATS_PENDING))
+        return Finished(
+            set(),
+            set(),
+            set(),
+            {},
+            bool(flags & FINISHED_LOAD_ERRORS_PENDING),
+            bool(flags & FINISHED_STATS_PENDING),
+            bool(flags & FINISHED_PUSH_ARRIVALS_PENDING),
+        )
     off = _HEAD.size
     lists: list[set[str]] = []
     for n in (ns, nr, nf):
@@ -138,7 +149,13 @@ def decode_finished(b: bytes) -> Finished:
             groups.append({"ratio": ratio, "blocks": blocks, "covered": covered})
         reshape[rid] = groups
     return Finished(
-        lists[0], lists[1], lists[2], reshape, bool(flags & FINISHED_LOAD_ERRORS_PENDING), bool(flags & FINISHED_STATS_PENDING)
+        lists[0],
+        lists[1],
+        lists[2],
+        reshape,
+        bool(flags & FINISHED_LOAD_ERRORS_PENDING),
+        bool(flags & FINISHED_STATS_PENDING),
+        bool(flags & FINISHED_PUSH_ARRIVALS_PENDING),
     )
 
 
@@ -359,6 +376,11 @@ class Worker:
         p = ctypes.POINTER(_lib.WorkerState)()
         _lib.call("gonixl_worker_state", self.handle, ctypes.byref(p))
         return p.contents
+
+    def push_arrivals(self) -> list[str]:
+        """Base request ids of the decode registrations that arrived since
+        the last call (push mode, a prefill)."""
+        return json.loads(_lib.call_bytes("gonixl_worker_push_arrivals", self.handle, initial=256))
 
     def load_errors(self) -> list[int]:
         return json.loads(_lib.call_bytes("gonixl_worker_load_errors", self.handle, initial=64))

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -47,11 +48,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlKVConnectorStats,
     NixlPromMetrics,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 from vllm.logger import init_logger
 
 from . import _lib, errors
 from .digest import READBACK_DIGEST_KEY, READBACK_TOKENS_KEY, DigestError, matched_tokens, token_digest
 from .engine import BlockReshaper, HostStaging, Scheduler, Worker, layer_descriptions
+from .push_admission import PushAdmission, default_budget
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -152,6 +155,20 @@ def _host_staging(vllm_config: VllmConfig) -> bool:
     if ktc is None or ktc.kv_buffer_device != "cpu":
         return False
     return current_platform.device_type != "cpu" or os.environ.get(ENV_STAGING_ON_CPU) == "1"
+
+
+class GoNixlWorkerMeta(KVConnectorWorkerMetadata):
+    """A worker's word to its scheduler for one step: the base request ids
+    of the push registrations that arrived (push_admission.py); the
+    workers' words are merged (any rank's registration claims a request)."""
+
+    def __init__(self, push_arrivals: frozenset[str]):
+        self.push_arrivals = push_arrivals
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, GoNixlWorkerMeta):
+            return self
+        return GoNixlWorkerMeta(self.push_arrivals | other.push_arrivals)
 
 
 class GoNixlHandshakeMetadata(KVConnectorHandshakeMetadata):
@@ -440,6 +457,21 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._push_early: dict[str, tuple["Request", list[list[int]]]] = {}
         self._push_early_seen: set[str] = set()
+        # Push mode, a prefill: admission of requests whose decode has not
+        # registered yet (push_admission.py: the two sides must not wait on
+        # each other under KV-cache pressure); the registrations reach it
+        # from the workers (GoNixlWorkerMeta). On a worker: the base ids
+        # that arrived, for the step's worker metadata.
+        self._admission: Optional[PushAdmission] = None
+        if self._TRANSFER_MODE == "push" and role == KVConnectorRole.SCHEDULER and ktc.kv_role != "kv_consumer":
+            budget = extra.get("push_unclaimed_blocks")
+            if budget is None:
+                budget = default_budget(kv_cache_config.num_blocks, self._block_size, vllm_config.model_config.max_model_len)
+            elif isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+                raise ValueError(f"push_unclaimed_blocks must be a non-negative integer (KV blocks), got {budget!r}")
+            self._admission = PushAdmission(budget, self._block_size)
+        self._admission_logged = 0.0
+        self._arrived: list[str] = []
         # The next step's metadata carries preemptions for the workers.
         self._fence_next = False
         self._kv_on_cuda = False
@@ -602,12 +634,20 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched_dirty = True
         self._per_request(request, self._scheduler().on_new_request, request.request_id, pj)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         self._check_prompt_digest(request)
         self._check_readback_digest(request)
         pj = _params_json(request)
         if not pj:
             return 0, False
+        adm = self._admission
+        if adm is not None and (request.kv_transfer_params or {}).get("do_remote_decode"):
+            n = len(request.prompt_token_ids or ())
+            if not adm.admit(request.request_id, get_base_request_id(request.request_id), n):
+                # Not yet: it waits in vLLM's queue, holding nothing, until
+                # its decode registers or the unclaimed holds drain.
+                self._log_admission()
+                return None, False
         self._sched_dirty = True
         got = self._per_request(
             request, self._scheduler().get_num_new_matched_tokens, pj, len(request.prompt_token_ids or ()), num_computed_tokens
@@ -647,6 +687,10 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                 self._need_save[request.request_id] = request
             elif groups:
                 self._stage_recv[request.request_id] = [b for g in groups for b in g]
+        if self._admission is not None and params.get("do_remote_decode"):
+            self._admission.allocated(
+                request.request_id, get_base_request_id(request.request_id), len(request.prompt_token_ids or ())
+            )
         self._sched_dirty = True
         mutated = self._per_request(
             request, self._scheduler().update_state_after_alloc, request.request_id, pj, groups, computed, num_external_tokens
@@ -758,6 +802,13 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return GoNixlConnectorMetadata(data, save=save, recv=recv, preempted=preempted)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        adm = self._admission
+        if adm is not None:
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, GoNixlWorkerMeta) and meta.push_arrivals:
+                adm.claimed(meta.push_arrivals)
+            if connector_output.finished_sending:
+                adm.hold_ended(connector_output.finished_sending)
         if self._push_sending and connector_output.finished_sending:
             self._push_sending -= connector_output.finished_sending
         done = connector_output.finished_recving
@@ -815,12 +866,16 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         sched = self._scheduler()
         got = self._per_request(request, sched.request_finished, request.request_id, pj, transfer_ids, normal, computed)
         if got is None:
+            if self._admission is not None:
+                self._admission.finished(request.request_id, get_base_request_id(request.request_id), False)
             return False, None
         delay, params = got
         if request.kv_transfer_params is not None and request.kv_transfer_params.get("do_remote_prefill"):
             request.kv_transfer_params["do_remote_prefill"] = False
         if push_prefill and delay:
             self._push_sending.add(request.request_id)
+        if self._admission is not None:
+            self._admission.finished(request.request_id, get_base_request_id(request.request_id), bool(push_prefill and delay))
         if params and params.get("do_remote_prefill"):
             digest = prompt_digest(request.prompt_token_ids, params.get("remote_num_tokens") or 0)
             if digest is not None:
@@ -980,6 +1035,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # Whether the next two per-step calls have anything to return.
         self._load_errors_pending = r.load_errors_pending
         self._stats_pending = r.stats_pending
+        if r.push_arrivals_pending:
+            self._arrived.extend(self._work().push_arrivals())
         if self._host is not None:
             for req in r.failed_recving:
                 self._recv_blocks.pop(req, None)
@@ -1010,6 +1067,29 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             # request in failed_recving (get_transfer_results).
             return set()
         return blocks
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        """Push mode, a prefill: the registrations that arrived, for the
+        scheduler's admission (push_admission.py)."""
+        if not self._arrived:
+            return None
+        meta = GoNixlWorkerMeta(frozenset(self._arrived))
+        self._arrived = []
+        return meta
+
+    def _log_admission(self) -> None:
+        adm = self._admission
+        now = time.monotonic()
+        if adm is None or now - self._admission_logged < 10.0:
+            return
+        self._admission_logged = now
+        logger.info(
+            "GoNixlPushConnector: %d prefill requests wait for their decodes to register: %d blocks computed or "
+            "being computed for decodes that have not registered, budget %d (push_unclaimed_blocks)",
+            len(adm.deferred),
+            adm.charged_blocks,
+            adm.budget,
+        )
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         if self._worker is None or not self._worker.handle or not self._stats_pending:

@@ -22,6 +22,9 @@ type Finished struct {
 	// then, instead of twice more every step.
 	LoadErrorsPending bool `json:"load_errors_pending,omitempty"`
 	StatsPending      bool `json:"stats_pending,omitempty"`
+	// PushArrivalsPending says whether PushArrivals has something to
+	// return (push mode, a prefill: decode registrations that arrived).
+	PushArrivalsPending bool `json:"push_arrivals_pending,omitempty"`
 }
 
 // BlockReshape is one request's blocks of one KV-cache group read at a
@@ -40,8 +43,9 @@ const FinishedVersion = 1
 
 // The flags word of the binary form.
 const (
-	FinishedLoadErrorsPending = 1 << 0
-	FinishedStatsPending      = 1 << 1
+	FinishedLoadErrorsPending   = 1 << 0
+	FinishedStatsPending        = 1 << 1
+	FinishedPushArrivalsPending = 1 << 2
 )
 
 // Empty reports whether f carries no request.
@@ -68,6 +72,9 @@ func AppendFinished(dst []byte, f *Finished) []byte {
 	}
 	if f.StatsPending {
 		flags |= FinishedStatsPending
+	}
+	if f.PushArrivalsPending {
+		flags |= FinishedPushArrivalsPending
 	}
 	dst = le.AppendUint32(dst, FinishedVersion)
 	dst = le.AppendUint32(dst, flags)
@@ -138,13 +145,14 @@ func DecodeFinished(b []byte) (*Finished, error) {
 	if head[0] != FinishedVersion {
 		return nil, fmt.Errorf("finished: version %d, want %d", head[0], FinishedVersion)
 	}
-	if head[1]&^(FinishedLoadErrorsPending|FinishedStatsPending) != 0 {
+	if head[1]&^(FinishedLoadErrorsPending|FinishedStatsPending|FinishedPushArrivalsPending) != 0 {
 		return nil, fmt.Errorf("finished: unknown flags %#x", head[1])
 	}
 	if uint64(head[2])+uint64(head[3])+uint64(head[4])+uint64(head[5]) > uint64(len(b)-off)/4 {
 		return nil, errFinishedShort
 	}
-	f := &Finished{LoadErrorsPending: head[1]&FinishedLoadErrorsPending != 0, StatsPending: head[1]&FinishedStatsPending != 0}
+	f := &Finished{LoadErrorsPending: head[1]&FinishedLoadErrorsPending != 0, StatsPending: head[1]&FinishedStatsPending != 0,
+		PushArrivalsPending: head[1]&FinishedPushArrivalsPending != 0}
 	for i, dst := range []*[]string{&f.Sending, &f.Recving, &f.Failed} {
 		*dst = make([]string, 0, head[2+i])
 		for range head[2+i] {

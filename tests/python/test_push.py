@@ -216,3 +216,37 @@ def test_push_writes_once_the_prompt_is_computed(pd, status):
     h.run_until([p, d], lambda: pid in p.out.sending, f"prefill frees {pid}")
     assert not p.sched.has_pending_push_work()
     d.free(dr.new_blocks)
+
+
+def test_admission_waits_for_the_decode_past_the_unclaimed_budget(lib_path, dist_env):  # noqa: F811
+    """push_unclaimed_blocks 0: a prefill holding one unclaimed prompt
+    defers the next push request (get_num_new_matched_tokens: None) until
+    that request's decode registers; the registration reaches the scheduler
+    from the prefill's worker through vLLM's worker metadata, and the
+    request then goes, is computed and WRITTEN."""
+    cls = _push_class(lib_path)
+    extra = {"transfer_engine": "ucx", "push_registration_timeout": 5, "kv_lease_duration": 30, "push_unclaimed_blocks": 0}
+    engines = []
+    try:
+        p = h.Engine(cls, "kv_producer", "admit-prefill", P_BLOCKS, extra=extra)
+        engines.append(p)
+        d = h.Engine(cls, "kv_consumer", "admit-decode", D_BLOCKS, extra=extra)
+        engines.append(d)
+        n = 2 * h.BLOCK_SIZE + 3
+        held = h.prefill(p, "cmpl-a-0-1a2b3c4d", n, seed=21)  # nothing charged yet: it goes
+        assert held.delay is True
+        bid = "cmpl-b-0-2b3c4d5e"
+        probe = p.request(bid, n, dict(h.PROXY_PREFILL_PARAMS))
+        assert p.sched.get_num_new_matched_tokens(probe, 0) == (None, False)
+        h.run_steps([p], 3)
+        assert p.sched.get_num_new_matched_tokens(probe, 0) == (None, False), "admitted with no registration"
+        before = d.snapshot()
+        dr = decode_push(d, "cmpl-b-0-6f7a8b9c", n, proxy_params(p, "cmpl-b-0"))
+        assert dr.load_async
+        h.run_until([p, d], lambda: p.sched.get_num_new_matched_tokens(probe, 0) == (0, False), "the registration claims B")
+        pre = h.prefill(p, bid, n, seed=22)
+        h.run_until([p, d], lambda: "cmpl-b-0-6f7a8b9c" in d.out.recving and bid in p.out.sending, "push of B")
+        assert_blocks_copied(p, d, pre.block_ids, dr.new_blocks, before)
+    finally:
+        for e in engines:
+            e.shutdown()
