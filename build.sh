@@ -458,11 +458,6 @@ cmd_test() {
   # freed at lease expiry), untrusted kv_transfer_params straight to a
   # decode; under both kv_load_failure_policy values.
   step e2e-faults e2e tests/e2e/run_faults_test.sh
-  # >>> The pressure/preemption case (tests/e2e/run_pressure_test.sh, block
-  # ownership under KV-cache pressure) goes here, with $ASYNC, once it is on
-  # main:
-  #   step e2e-pressure e2e tests/e2e/run_pressure_test.sh $ASYNC
-  # <<<
   # Several hosts as network namespaces: two prefills and a decode, each in
   # its own namespace, KV over TCP (test-full: two decodes and a link cut).
   # It computes its baseline first (from the shared one), then switches it
@@ -479,6 +474,13 @@ cmd_test() {
   # its first 12).
   step e2e-interop-go-stock e2e tests/e2e/run_interop_test.sh GONIXL_E2E_MODEL="$LLAMA" GONIXL_INTEROP_COMBOS=go-stock \
     GONIXL_E2E_LOGS=tests/e2e/logs/interop-go-stock
+  # Block ownership under KV-cache pressure with async scheduling on (the
+  # GPU default; tests/vllm_async_plugin keeps it on here): small KV pools
+  # and chunked prefill so that both sides preempt, clients that abandon,
+  # traffic straight at the prefill; pull and push, gonixl on both sides.
+  # Every completed output equals the baseline's, preemptions grew on both
+  # sides, every live gauge back to zero (test-full: with stock peers).
+  step e2e-pressure e2e tests/e2e/run_pressure_test.sh GONIXL_E2E_MODEL="$LLAMA" $ASYNC
   baseline_cache_only
   # Push mode (vLLM's NixlPushConnector protocol: the decode registers its
   # blocks, the prefill WRITEs into them; gonixl-proxy --push sends both
@@ -560,6 +562,15 @@ cmd_test_full() {
   step e2e-tp-hybrid-1to2 e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$HYBRID" GONIXL_TP_COMBOS=ux1-ux2 \
     GONIXL_E2E_LOGS=tests/e2e/logs/tp-hybrid-1to2
   baseline_end
+  # Block ownership under pressure against vLLM's stock connectors on either
+  # side, pull and push (./build.sh test runs gonixl on both sides).
+  step e2e-pressure-stock e2e tests/e2e/run_pressure_test.sh GONIXL_E2E_MODEL="$LLAMA" $ASYNC \
+    GONIXL_PRESSURE_CONFIGS=pull:stock-go,pull:go-stock,push:stock-go,push:go-stock GONIXL_E2E_LOGS=tests/e2e/logs/pressure-stock
+  # The fleet (README, "Fleet"): two gonixl-proxy replicas sharing their
+  # multi-turn state in redis-server, one restarted mid-conversation; the
+  # decodes' KV events; vllm-router's cache_aware prefill policy against
+  # round_robin. Five vLLMs at once: too many for ./build.sh test.
+  step e2e-fleet e2e tests/e2e/run_fleet_test.sh
 }
 
 ## soak: the long soak (2,000 requests at 32 concurrent) and the multi-host namespace test
@@ -589,6 +600,11 @@ cmd_fuzz() {
   log "fuzz: Hypothesis on the scheduler entry points (GONIXL_FUZZ_EXAMPLES=${GONIXL_FUZZ_EXAMPLES:-5000})"
   # Strict: every bug class Hypothesis finds fails the run (none tolerated).
   GONIXL_FUZZ_STRICT=1 GONIXL_FUZZ_EXAMPLES="${GONIXL_FUZZ_EXAMPLES:-5000}" "$PY" -m pytest -q tests/python/test_fuzz_scheduler.py
+  # The block-ownership model (shim/model_test.go): random interleavings of
+  # vLLM's and the peer's events, every invariant checked after each
+  # (./build.sh test draws 300 runs).
+  log "fuzz: the block-ownership model, GONIXL_MODEL_RUNS=${GONIXL_MODEL_RUNS:=20000} runs"
+  GONIXL_MODEL_RUNS=$GONIXL_MODEL_RUNS go test -count=1 -run '^TestModelOwnership$' -timeout 60m ./shim
 }
 
 ## test-router: prefill and decode vLLM with GoNixlConnector behind vllm-router's P/D mode, against the aggregated baseline

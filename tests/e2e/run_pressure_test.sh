@@ -115,9 +115,9 @@ kv_config() {
   fi
 }
 
-A_PORT=$(free_port)
-start_vllm baseline "$A_PORT"
-BASELINE_PID=${PIDS[-1]}
+# The aggregated baseline: ./build.sh test's shared one for this model, or
+# one started here (tests/e2e/lib.sh).
+e2e_baseline
 SAVED=("${COMMON[@]}")
 FAILED=0
 for cfg in "${CONFIGS[@]}"; do
@@ -143,17 +143,17 @@ for cfg in "${CONFIGS[@]}"; do
   wait_ready "$tag-proxy" "http://127.0.0.1:$X_PORT/healthcheck"
   wait_ready "$tag-prefill" "http://127.0.0.1:$P_PORT/health"
   wait_ready "$tag-decode" "http://127.0.0.1:$D_PORT/health"
-  wait_ready baseline "http://127.0.0.1:$A_PORT/health"
+  e2e_baseline_wait
   [ "$pk" = go ] && wait_log "$tag-prefill" "$LOGS/$tag-prefill.log" 'gonixl metrics served' >/dev/null
   [ "$dk" = go ] && wait_log "$tag-decode" "$LOGS/$tag-decode.log" 'gonixl metrics served' >/dev/null
   e2e_say "$cfg: servers ready after $(e2e_elapsed) s"
   GONIXL_PR_INSTANCES=$(printf '{"prefill":{"url":"http://127.0.0.1:%s","log":"%s","gonixl":%s},"decode":{"url":"http://127.0.0.1:%s","log":"%s","gonixl":%s},"baseline":{"url":"http://127.0.0.1:%s","log":"%s","gonixl":false}}' \
     "$P_PORT" "$LOGS/$tag-prefill.log" "$([ "$pk" = go ] && echo true || echo false)" \
     "$D_PORT" "$LOGS/$tag-decode.log" "$([ "$dk" = go ] && echo true || echo false)" \
-    "$A_PORT" "$LOGS/baseline.log")
+    "${BASELINE_URL##*:}" "$([ -n "${BASELINE_PGID:-}" ] && echo "$LOGS/baseline.log")")
   t0=$(e2e_elapsed)
   if GONIXL_PR_CONFIG="$cfg" GONIXL_PR_PROXY="http://127.0.0.1:$X_PORT" GONIXL_PR_PROXY_LOG="$LOGS/$tag-proxy.log" \
-    GONIXL_PR_BASELINE="http://127.0.0.1:$A_PORT" GONIXL_PR_MODEL="$MODEL" GONIXL_PR_INSTANCES="$GONIXL_PR_INSTANCES" \
+    GONIXL_PR_BASELINE="$BASELINE_URL" GONIXL_PR_MODEL="$MODEL" GONIXL_PR_INSTANCES="$GONIXL_PR_INSTANCES" \
     GONIXL_PR_LEASE="$LEASE" GONIXL_PR_SUMMARY="$SUMMARY" \
     e2e_pytest "$PY" -m pytest -q -rA -s -p no:cacheprovider "$ROOT/tests/e2e/test_pressure.py"; then
     RESULTS+=("$cfg: passed in $(($(e2e_elapsed) - t0)) s of load and checks")
@@ -163,5 +163,6 @@ for cfg in "${CONFIGS[@]}"; do
   fi
   stop_pids "$P_PID" "$D_PID" "$X_PID"
 done
-stop_pids "$BASELINE_PID"
+# A shared baseline stays up for the steps after this one.
+[ -z "${BASELINE_PGID:-}" ] || stop_pids "$BASELINE_PGID"
 exit "$FAILED"
