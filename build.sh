@@ -563,9 +563,12 @@ cmd_test_full() {
     GONIXL_E2E_LOGS=tests/e2e/logs/tp-hybrid-1to2
   baseline_end
   # Block ownership under pressure against vLLM's stock connectors on either
-  # side, pull and push (./build.sh test runs gonixl on both sides).
+  # side (./build.sh test runs gonixl on both sides). Not push with a stock
+  # prefill: vLLM's push prefill has no admission of unclaimed requests
+  # (docs/ARCHITECTURE.md, "Push under KV-cache pressure"), so its holds and
+  # the decode's allocations can wait on each other until a timeout.
   step e2e-pressure-stock e2e tests/e2e/run_pressure_test.sh GONIXL_E2E_MODEL="$LLAMA" $ASYNC \
-    GONIXL_PRESSURE_CONFIGS=pull:stock-go,pull:go-stock,push:stock-go,push:go-stock GONIXL_E2E_LOGS=tests/e2e/logs/pressure-stock
+    GONIXL_PRESSURE_CONFIGS=pull:stock-go,pull:go-stock,push:go-stock GONIXL_E2E_LOGS=tests/e2e/logs/pressure-stock
   # The fleet (README, "Fleet"): two gonixl-proxy replicas sharing their
   # multi-turn state in redis-server, one restarted mid-conversation; the
   # decodes' KV events; vllm-router's cache_aware prefill policy against
@@ -573,7 +576,7 @@ cmd_test_full() {
   step e2e-fleet e2e tests/e2e/run_fleet_test.sh
 }
 
-## soak: the long soak (2,000 requests at 32 concurrent) and the multi-host namespace test
+## soak: the long soak (2,000 requests at 32 concurrent), the multi-host namespace test and the pressure case at 4x load
 cmd_soak() {
   cmd_setup
   cmd_build
@@ -583,6 +586,13 @@ cmd_soak() {
     bash tests/e2e/run_soak_test.sh
   log "soak: tests/e2e/run_netns_test.sh"
   bash tests/e2e/run_netns_test.sh
+  # Block ownership under KV-cache pressure, four times ./build.sh test's
+  # load, pull and push, gonixl on both sides and with a stock peer.
+  log "soak: tests/e2e/run_pressure_test.sh (async scheduling on, 4x the load)"
+  GONIXL_TEST_ASYNC_SCHEDULING=1 GONIXL_PRESSURE_REQUESTS="${GONIXL_PRESSURE_REQUESTS:-96}" \
+    GONIXL_PRESSURE_ABANDON="${GONIXL_PRESSURE_ABANDON:-64}" GONIXL_PRESSURE_FRESH="${GONIXL_PRESSURE_FRESH:-64}" \
+    GONIXL_PRESSURE_CONFIGS="${GONIXL_PRESSURE_CONFIGS:-pull:go-go,push:go-go,pull:stock-go,pull:go-stock,push:go-stock}" \
+    GONIXL_E2E_LOGS=tests/e2e/logs/pressure-soak bash tests/e2e/run_pressure_test.sh
 }
 
 ## fuzz: every Go fuzz target for GONIXL_FUZZTIME each (default 10m), and a long Hypothesis run
