@@ -339,6 +339,9 @@ func (w *Worker) pushRegLocked(from string, payload []byte) {
 	reg.received, reg.from = w.clock(), from
 	if len(p.arrived) < maxPushRegs {
 		p.arrived = append(p.arrived, kvwire.BaseRequestID(reg.RequestID))
+	} else {
+		w.log.Warn("push: too many registration arrivals not yet taken by the scheduler; this one is not reported (its request waits for the admission's budget)",
+			zap.String("decode_request_id", reg.RequestID), zap.Int("limit", maxPushRegs))
 	}
 	if ps := w.takeSendLocked(reg.RequestID); ps != nil {
 		w.matchPushLocked(ps, reg)

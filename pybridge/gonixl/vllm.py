@@ -54,7 +54,7 @@ from vllm.logger import init_logger
 from . import _lib, errors
 from .digest import READBACK_DIGEST_KEY, READBACK_TOKENS_KEY, DigestError, matched_tokens, token_digest
 from .engine import BlockReshaper, HostStaging, Scheduler, Worker, layer_descriptions
-from .push_admission import PushAdmission, default_budget
+from .push_admission import PushAdmission, default_budget, prompt_blocks
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -464,13 +464,27 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # that arrived, for the step's worker metadata.
         self._admission: Optional[PushAdmission] = None
         if self._TRANSFER_MODE == "push" and role == KVConnectorRole.SCHEDULER and ktc.kv_role != "kv_consumer":
+            # Every KV-cache group draws from one pool: a prompt takes a
+            # block per group's block size in each.
+            sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups] or [self._block_size]
+
+            def blocks_of(n: int) -> int:
+                return prompt_blocks(n, sizes)
+
             budget = extra.get("push_unclaimed_blocks")
             if budget is None:
-                budget = default_budget(kv_cache_config.num_blocks, self._block_size, vllm_config.model_config.max_model_len)
+                budget = default_budget(kv_cache_config.num_blocks, blocks_of(vllm_config.model_config.max_model_len))
             elif isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
                 raise ValueError(f"push_unclaimed_blocks must be a non-negative integer (KV blocks), got {budget!r}")
-            self._admission = PushAdmission(budget, self._block_size)
+            # A charged hold ends at its lease at the latest (finished_sending);
+            # past twice that, the charge is let go and logged.
+            try:
+                lease = float(extra.get("kv_lease_duration", 30))
+            except (TypeError, ValueError):
+                lease = 30.0  # the library refuses the value, naming it
+            self._admission = PushAdmission(budget, blocks_of, hold_limit=2 * lease + 30)
         self._admission_logged = 0.0
+        self._admission_warned = False
         self._arrived: list[str] = []
         # The next step's metadata carries preemptions for the workers.
         self._fence_next = False
@@ -635,11 +649,6 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._per_request(request, self._scheduler().on_new_request, request.request_id, pj)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        self._check_prompt_digest(request)
-        self._check_readback_digest(request)
-        pj = _params_json(request)
-        if not pj:
-            return 0, False
         adm = self._admission
         if adm is not None and (request.kv_transfer_params or {}).get("do_remote_decode"):
             n = len(request.prompt_token_ids or ())
@@ -648,6 +657,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                 # its decode registers or the unclaimed holds drain.
                 self._log_admission()
                 return None, False
+        self._check_prompt_digest(request)
+        self._check_readback_digest(request)
+        pj = _params_json(request)
+        if not pj:
+            return 0, False
         self._sched_dirty = True
         got = self._per_request(
             request, self._scheduler().get_num_new_matched_tokens, pj, len(request.prompt_token_ids or ()), num_computed_tokens
@@ -688,9 +702,17 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             elif groups:
                 self._stage_recv[request.request_id] = [b for g in groups for b in g]
         if self._admission is not None and params.get("do_remote_decode"):
-            self._admission.allocated(
+            within = self._admission.allocated(
                 request.request_id, get_base_request_id(request.request_id), len(request.prompt_token_ids or ())
             )
+            if not within and not self._admission_warned:
+                self._admission_warned = True
+                logger.warning(
+                    "GoNixlPushConnector: request %s was scheduled past push_unclaimed_blocks without the connector "
+                    "being asked (vLLM does so for requests that skip the prefix cache, e.g. with prompt_logprobs); "
+                    "such requests are not held back (logged once)",
+                    request.request_id,
+                )
         self._sched_dirty = True
         mutated = self._per_request(
             request, self._scheduler().update_state_after_alloc, request.request_id, pj, groups, computed, num_external_tokens
@@ -769,6 +791,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return pending
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        if self._admission is not None:
+            self._admission.new_pass()
         if self._push_early_seen:
             self._push_preempted(scheduler_output)
         push_early = bool(self._push_early) and self._push_prompts_done(scheduler_output)
@@ -809,6 +833,15 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                 adm.claimed(meta.push_arrivals)
             if connector_output.finished_sending:
                 adm.hold_ended(connector_output.finished_sending)
+            adm.tick()
+            if adm.expired:
+                logger.warning(
+                    "GoNixlPushConnector: the push admission let go of %d requests' charges whose hold outlived twice "
+                    "kv_lease_duration without finished_sending: %s",
+                    len(adm.expired),
+                    adm.expired[:8],
+                )
+                adm.expired.clear()
         if self._push_sending and connector_output.finished_sending:
             self._push_sending -= connector_output.finished_sending
         done = connector_output.finished_recving
@@ -867,7 +900,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         got = self._per_request(request, sched.request_finished, request.request_id, pj, transfer_ids, normal, computed)
         if got is None:
             if self._admission is not None:
-                self._admission.finished(request.request_id, get_base_request_id(request.request_id), False)
+                self._admission.finished(request.request_id, False)
             return False, None
         delay, params = got
         if request.kv_transfer_params is not None and request.kv_transfer_params.get("do_remote_prefill"):
@@ -875,7 +908,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if push_prefill and delay:
             self._push_sending.add(request.request_id)
         if self._admission is not None:
-            self._admission.finished(request.request_id, get_base_request_id(request.request_id), bool(push_prefill and delay))
+            self._admission.finished(request.request_id, bool(push_prefill and delay))
         if params and params.get("do_remote_prefill"):
             digest = prompt_digest(request.prompt_token_ids, params.get("remote_num_tokens") or 0)
             if digest is not None:
