@@ -605,13 +605,24 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                 )
                 p[READBACK_TOKENS_KEY] = 0
                 return
-            if p.get("remote_block_ids") and READBACK_TOKENS_KEY not in p and not self._warned_no_digest:
-                self._warned_no_digest = True
-                logger.warning(
-                    "GoNixlConnector: kv_transfer_params from decode engine %s carry no token digest (a stock NixlConnector "
-                    "decode): the conversation history is not checked against the decode's tokens before its KV is pulled",
-                    p.get("remote_engine_id"),
-                )
+            if p.get("remote_block_ids") and READBACK_TOKENS_KEY not in p:
+                # A stock NixlConnector decode advertises num_computed_tokens,
+                # which with async scheduling (vLLM's default on GPUs) counts
+                # a step still in flight: the last sampled token, whose KV
+                # belongs to that token (a stop token the next prompt does not
+                # have at that position). Its last advertised token is never
+                # pulled; without async scheduling that costs one token.
+                rn = p.get("remote_num_tokens")
+                p[READBACK_TOKENS_KEY] = max(0, rn - 1) if isinstance(rn, int) else 0
+                if not self._warned_no_digest:
+                    self._warned_no_digest = True
+                    logger.warning(
+                        "GoNixlConnector: kv_transfer_params from decode engine %s carry no token digest (a stock "
+                        "NixlConnector decode): the conversation history is not checked against the decode's tokens "
+                        "before its KV is pulled, and its last advertised token (in flight under async scheduling) is "
+                        "computed here",
+                        p.get("remote_engine_id"),
+                    )
             return
         digest = p.pop(READBACK_DIGEST_KEY)
         rn = p.get("remote_num_tokens")
