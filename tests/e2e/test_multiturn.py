@@ -162,6 +162,9 @@ class Turn:
     # The turn's prefill read a stock decode's blocks with vLLM's stock
     # connector (interop fleet): vLLM's own pairing, not gonixl's.
     stock_pair: bool = False
+    # It read a stock decode's blocks: vLLM's decode counts a step in flight
+    # under async scheduling, so the pull may differ by a token either way.
+    from_stock: bool = False
 
 
 def pulled_for(prompt: int, n_prev: int | None, matched: int | None = None) -> int:
@@ -248,6 +251,7 @@ def converse(
             pulled_for(prompt, n_eff, matched),
             int(dusage.get("completion_tokens", 0)),
             stock_prefill and prev_stock_decode and n_eff is not None,
+            prev_stock_decode and n_eff is not None,
         )
         turns.append(t)
         history.append({"role": "assistant", "content": got})
@@ -286,11 +290,17 @@ def check(
     assert not wrong, (
         f"{label}: turns whose text differs from the baseline (conv, turn, got, want): {wrong}"
     )
-    assert external == want_external, (
+    # Turns that read a stock decode: its advertised count is vLLM's
+    # (num_computed_tokens with a step in flight or not), one token either
+    # way per turn; every other turn's pull is exact.
+    slack = sum(t.from_stock for t in turns)
+    assert abs(external - want_external) <= slack, (
         f"{label}: the prefills pulled {external:.0f} prompt tokens, want {want_external}"
+        + (f" (± {slack}: turns that read a stock decode)" if slack else "")
     )
-    assert computed == want_computed, (
+    assert abs(computed - want_computed) <= slack, (
         f"{label}: the prefills computed {computed:.0f} prompt tokens, want {want_computed} (only the new ones)"
+        + (f" (± {slack})" if slack else "")
     )
 
 
