@@ -284,7 +284,9 @@ def check(
     want_computed = sum(t.prompt_tokens - t.pulled for t in turns)
     hits = sum(t.pulled > 0 for t in turns)
     print(
-        f"{label}: {len(turns)} turns, {len(turns) - len(wrong)} equal to the baseline; {hits} pulled KV from the decode; "
+        f"{label}: {len(turns)} turns, {len(turns) - len(wrong) - len(stock_wrong)} equal to the baseline"
+        + (f" ({len(stock_wrong)} of the others read back between two stock connectors)" if stock_wrong else "")
+        + f"; {hits} pulled KV from the decode; "
         f"prefill prompt tokens: computed {computed:.0f} (want {want_computed}), pulled {external:.0f} (want {want_external})"
     )
     assert not wrong, (
