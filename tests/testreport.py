@@ -70,8 +70,24 @@ def record_retry(what: str, why: str) -> None:
 # ---------------------------------------------------------------- pytest
 
 
+def record_failure(runner: str, test_id: str, reason: str) -> None:
+    """A test that failed, with the first line of why: the run's last lines
+    (all that a CI page may keep of a long log) repeat it."""
+    _append({"kind": "fail", "runner": runner, "id": test_id, "reason": reason})
+
+
+def _failure_reason(report) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None and getattr(crash, "message", ""):
+        return str(crash.message)
+    return str(report.longrepr).strip().splitlines()[-1] if report.longrepr else "(no message)"
+
+
 def pytest_logreport(report) -> None:
     """Called from the conftest files' pytest_runtest_logreport hook."""
+    if report.failed:
+        record_failure("pytest", report.nodeid + ("" if report.when == "call" else f" ({report.when})"), _failure_reason(report))
+        return
     if not report.skipped:
         return
     if hasattr(report, "wasxfail"):
@@ -135,6 +151,7 @@ def go_filter(inp, out) -> None:
                 for (p, t), lines in tests.items():
                     if p == pkg and (p, t) not in done:
                         emit("".join(lines))  # still running when the package failed
+                        record_failure("go", f"{p}.{t}", "still running when the package failed (a timeout or a panic)")
                 emit("".join(pkg_out.get(pkg, [])) or f"FAIL\t{pkg}\n")
             if action in ("pass", "skip", "fail"):
                 pkg_out.pop(pkg, None)
@@ -145,6 +162,12 @@ def go_filter(inp, out) -> None:
         if action == "fail":
             done.add(key)
             emit("".join(tests.get(key, [])))
+            said = [
+                ln.strip()
+                for ln in tests.get(key, [])
+                if ln.strip() and not ln.startswith(("=== ", "--- FAIL", "--- PASS", "--- SKIP"))
+            ]
+            record_failure("go", f"{pkg}.{test}", " | ".join(said[:3]) or "(no output)")
         elif action == "pass":
             done.add(key)
         elif action == "skip":
@@ -238,6 +261,7 @@ def check(step: str, report: str, rc: int, seconds: int, load: str, summary: str
     recs = read_records(report)
     skips = [r for r in recs if r.get("kind") in ("skip", "xfail")]
     retries = [r for r in recs if r.get("kind") == "retry"]
+    failures = [r for r in recs if r.get("kind") == "fail"]
     undeclared = [r for r in skips if declared_skip(declared, step, r) is None]
     max_retries, why_retries = allowed_retries(declared, step)
     problems = []
@@ -249,6 +273,8 @@ def check(step: str, report: str, rc: int, seconds: int, load: str, summary: str
         problems.append(f"{len(retries)} retries, {max_retries} allowed")
     result = "PASS" if not problems else "FAIL"
     lines = []
+    for r in failures:
+        lines.append(f"  FAILED {r.get('runner', '?')} {r.get('id')}: {_short(r.get('reason', ''), 600)}")
     for r in skips:
         d = declared_skip(declared, step, r)
         tag = "declared" if d else ("XFAIL (a tolerated bug)" if r.get("kind") == "xfail" else "UNDECLARED")
@@ -296,6 +322,7 @@ def check(step: str, report: str, rc: int, seconds: int, load: str, summary: str
                     "vllm": alive,
                     "rc": rc,
                     "end": time.time(),
+                    "failures": [f"{r.get('id')}: {_short(r.get('reason', ''), 600)}" for r in failures],
                 }
             )
             + "\n"
@@ -319,6 +346,11 @@ def table(summary: str, pending: list[str]) -> None:
         out.append(f"{p:<{w}}  {'':>7}  {'':<24}  {'not run'}")
     m, s = divmod(total, 60)
     out.append(f"{'total':<{w}}  {total:>7}  ({m} min {s} s in these steps)")
+    failed = [(r["step"], f) for r in rows for f in r.get("failures", [])]
+    if failed:
+        out.append("")
+        out.append("what failed (the step's log above has the whole report):")
+        out.extend(f"  {step}: {f}" for step, f in failed)
     print("\n".join(out), file=sys.stderr, flush=True)
 
 
