@@ -148,9 +148,15 @@ func (p *Proxy) servePush(ex *exchange) {
 	start := time.Now()
 	resp, dctx, dcancel, timer, ue := p.openDecode(&dex, di, dbody)
 	if ue != nil {
-		if errors.Is(context.Cause(ctx), errPrefillFailed) {
+		switch {
+		case errors.Is(context.Cause(ctx), errPrefillFailed):
 			ue = <-pdone // the prefill's failure is the one to report
-		} else {
+		case ex.r.Context().Err() != nil:
+			// The client went away: nothing is known about the decode or
+			// the prefill. Forgetting the identity would send the next
+			// requests in sequence, and a push prefill admits a request no
+			// decode has registered for only within its unclaimed budget.
+		default:
 			p.forgetPushIdentity(pi)
 		}
 		p.writeFailure(ex.w, ex.r, ue)

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"encoding/json"
 	"net/http"
 	"strings"
@@ -180,4 +181,55 @@ func TestPushMultiturnOneway(t *testing.T) {
 func mustJSON(v any) []byte {
 	b, _ := json.Marshal(v)
 	return b
+}
+
+// A client that goes away before the decode answers is not a decode
+// failure: the prefill's identity is kept and the next request still
+// reaches both at once.
+func TestPushClientGoneKeepsIdentity(t *testing.T) {
+	var gated atomic.Bool
+	decodeIn := make(chan struct{}, 4)
+	pf := newFake(t, "p", pushPrefillHandler("p", nil, nil))
+	df := newFake(t, "d", func(w http.ResponseWriter, r *http.Request, rec received) {
+		if !gated.Load() {
+			decodeHandler("d", false)(w, r, rec)
+			return
+		}
+		decodeIn <- struct{}{}
+		<-r.Context().Done()
+	})
+	rg := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Push = true })
+	if code, _, body := rg.post("/v1/completions", map[string]any{"model": "m", "prompt": "hi"}, nil); code != 200 {
+		t.Fatalf("first: %d %s", code, body)
+	}
+	gated.Store(true)
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, rg.srv.URL+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"hi"}`))
+	req.Header.Set("Content-Type", "application/json")
+	errc := make(chan error, 1)
+	go func() {
+		resp, err := rg.srv.Client().Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		errc <- err
+	}()
+	select {
+	case <-decodeIn:
+	case <-time.After(waitLimit):
+		t.Fatal("the decode never got the request")
+	}
+	cancel() // the client goes away while the decode works
+	<-errc
+	gated.Store(false)
+	// The proxy's handler may still be winding down: the identity must
+	// survive it, so wait for the prefill's request to have ended too.
+	deadline := time.Now().Add(waitLimit)
+	for len(pf.requests()) < 2 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond)
+	if _, ok := rg.p.pushIdentityOf(rg.p.cfg.Prefill[0]); !ok {
+		t.Fatal("a client that went away made the proxy forget the prefill's identity")
+	}
 }

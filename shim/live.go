@@ -268,8 +268,11 @@ func serveMetrics(cfg *Config, reg *prometheus.Registry, worker bool, log *zap.L
 		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	}
+	// WriteTimeout bounds the whole answer (gathering included): a process
+	// starved of CPU for tens of seconds, as vLLM's on a loaded host can be,
+	// still answers a scrape that waits rather than closing it unanswered.
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 10 * time.Second,
-		WriteTimeout: 10 * time.Second, IdleTimeout: 30 * time.Second, MaxHeaderBytes: 16 << 10}
+		WriteTimeout: 60 * time.Second, IdleTimeout: 30 * time.Second, MaxHeaderBytes: 16 << 10}
 	metricsSrv.srv, metricsSrv.addr = srv, ln.Addr().String()
 	if metricsSrv.proc == nil {
 		proc := prometheus.NewRegistry()
