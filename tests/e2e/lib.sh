@@ -28,14 +28,20 @@ e2e_say() { echo "$E2E_NAME: $*" >&2; }
 # (GONIXL_TEST_REPORT, tests/testreport.py) and exits 0: ./build.sh test
 # then fails the step unless tests/declared.toml declares the skip.
 e2e_skip() {
-  echo "SKIP: $E2E_NAME: $*"
+  e2e_skip_part "$E2E_NAME" "$*"
+  exit 0
+}
+
+# e2e_skip_part ID REASON: one part of the script (ID, e.g. "NAME:case")
+# does not run; the rest goes on. Recorded like e2e_skip's.
+e2e_skip_part() {
+  echo "SKIP: $1: $2"
   if [ -n "${GONIXL_TEST_REPORT:-}" ]; then
-    E2E_NAME="$E2E_NAME" E2E_SKIP_REASON="$*" python3 -c 'import json, os
-rec = {"kind": "skip", "runner": "e2e", "id": os.environ["E2E_NAME"], "reason": os.environ["E2E_SKIP_REASON"], "step": os.environ.get("GONIXL_TEST_STEP", "")}
+    E2E_SKIP_ID="$1" E2E_SKIP_REASON="$2" python3 -c 'import json, os
+rec = {"kind": "skip", "runner": "e2e", "id": os.environ["E2E_SKIP_ID"], "reason": os.environ["E2E_SKIP_REASON"], "step": os.environ.get("GONIXL_TEST_STEP", "")}
 with open(os.environ["GONIXL_TEST_REPORT"], "a") as f:
     f.write(json.dumps(rec, sort_keys=True) + "\n")' || exit 1
   fi
-  exit 0
 }
 
 # e2e_logs DIR: the log folder (created; earlier *.log files removed).

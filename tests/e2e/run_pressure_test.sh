@@ -36,7 +36,10 @@
 #                            KV blocks of the prefill and the decode (48, 48; at
 #                            least max_model_len / block size = 32)
 #   GONIXL_PRESSURE_CHUNK    the prefill's --max-num-batched-tokens (64)
-#   GONIXL_PRESSURE_LEASE    kv_lease_duration of every connector instance (20 s)
+#   GONIXL_PRESSURE_LEASE    kv_lease_duration of every connector instance (120 s: a
+#                            starved two-core host delays registrations and
+#                            heartbeats by tens of seconds; no case here waits
+#                            on a lease)
 #   GONIXL_E2E_MODEL         model folder (default tests/fixtures/geometry/llama-28l-gqa)
 #   GONIXL_E2E_LOGS          log folder (default tests/e2e/logs/pressure; the summaries
 #                            go to pressure_summary.jsonl there)
@@ -62,7 +65,7 @@ export GONIXL_TEST_ASYNC_SCHEDULING=1
 P_BLOCKS="${GONIXL_PRESSURE_PREFILL_BLOCKS:-48}"
 D_BLOCKS="${GONIXL_PRESSURE_DECODE_BLOCKS:-48}"
 CHUNK="${GONIXL_PRESSURE_CHUNK:-64}"
-LEASE="${GONIXL_PRESSURE_LEASE:-20}"
+LEASE="${GONIXL_PRESSURE_LEASE:-120}"
 GO_ENGINE="${GONIXL_PRESSURE_ENGINE:-ucx}"
 SUMMARY="$LOGS/pressure_summary.jsonl"
 
@@ -151,8 +154,18 @@ for cfg in "${CONFIGS[@]}"; do
     "$P_PORT" "$LOGS/$tag-prefill.log" "$([ "$pk" = go ] && echo true || echo false)" \
     "$D_PORT" "$LOGS/$tag-decode.log" "$([ "$dk" = go ] && echo true || echo false)" \
     "${BASELINE_URL##*:}" "$([ -n "${BASELINE_PGID:-}" ] && echo "$LOGS/baseline.log")")
+  ABANDON_N="${GONIXL_PRESSURE_ABANDON:-16}"
+  if [ "$mode" = push ] && [ "$dk" = stock ]; then
+    # vLLM 0.32's push decode keeps, until it restarts, the blocks of a
+    # request aborted after it registered them when no WRITE comes (its
+    # prefill's request was aborted with the client): it has no failure
+    # message, and request_finished drops the registration's deadline.
+    # gonixl's decode is told (GONIXL_PUSH_FAILED) and frees them.
+    e2e_skip_part "$E2E_NAME:$cfg:abandon" "a stock push decode keeps an abandoned request's registered blocks for ever when its prefill request is aborted too (vLLM 0.32 push_scheduler.request_finished)"
+    ABANDON_N=0
+  fi
   t0=$(e2e_elapsed)
-  if GONIXL_PR_CONFIG="$cfg" GONIXL_PR_PROXY="http://127.0.0.1:$X_PORT" GONIXL_PR_PROXY_LOG="$LOGS/$tag-proxy.log" \
+  if GONIXL_PRESSURE_ABANDON="$ABANDON_N" GONIXL_PR_CONFIG="$cfg" GONIXL_PR_PROXY="http://127.0.0.1:$X_PORT" GONIXL_PR_PROXY_LOG="$LOGS/$tag-proxy.log" \
     GONIXL_PR_BASELINE="$BASELINE_URL" GONIXL_PR_MODEL="$MODEL" GONIXL_PR_INSTANCES="$GONIXL_PR_INSTANCES" \
     GONIXL_PR_LEASE="$LEASE" GONIXL_PR_SUMMARY="$SUMMARY" \
     e2e_pytest "$PY" -m pytest -q -rA -s -p no:cacheprovider "$ROOT/tests/e2e/test_pressure.py"; then

@@ -79,7 +79,7 @@ MODEL = os.environ.get("GONIXL_PR_MODEL", "")
 # name -> {"url", "log", "gonixl": bool}; names prefill, decode, baseline.
 INSTANCES: dict[str, dict] = json.loads(os.environ.get("GONIXL_PR_INSTANCES") or "{}")
 PROXY_LOG = os.environ.get("GONIXL_PR_PROXY_LOG", "")
-LEASE_S = float(_env("GONIXL_PR_LEASE", "20"))
+LEASE_S = float(_env("GONIXL_PR_LEASE", "120"))
 SUMMARY_PATH = os.environ.get("GONIXL_PR_SUMMARY", "")
 
 PRESSURE_REQUESTS = int(_env("GONIXL_PRESSURE_REQUESTS", "24"))
