@@ -38,8 +38,9 @@
 #   GONIXL_PRESSURE_CHUNK    the prefill's --max-num-batched-tokens (64)
 #   GONIXL_PRESSURE_LEASE    kv_lease_duration of every connector instance (120 s: a
 #                            starved two-core host delays registrations and
-#                            heartbeats by tens of seconds; no case here waits
-#                            on a lease)
+#                            heartbeats by tens of seconds; a hold whose decode
+#                            never got its request, its client gone in between,
+#                            lasts until the lease, and the at-rest check waits)
 #   GONIXL_E2E_MODEL         model folder (default tests/fixtures/geometry/llama-28l-gqa)
 #   GONIXL_E2E_LOGS          log folder (default tests/e2e/logs/pressure; the summaries
 #                            go to pressure_summary.jsonl there)

@@ -165,6 +165,10 @@ class Turn:
     # It read a stock decode's blocks: vLLM's decode counts a step in flight
     # under async scheduling, so the pull may differ by a token either way.
     from_stock: bool = False
+    # An earlier turn of its conversation was a stock_pair read-back: the KV
+    # vLLM's bug put at one position of that history stays in the prefix
+    # caches and in the blocks later turns pull, whoever pulls them.
+    after_stock_pair: bool = False
 
 
 def pulled_for(prompt: int, n_prev: int | None, matched: int | None = None) -> int:
@@ -202,6 +206,7 @@ def converse(
     turns: list[Turn] = []
     n_prev: int | None = None
     prev_stock_decode = False
+    tainted = False  # an earlier turn was a stock_pair read-back
     for k, u in enumerate(users):
         if spacers and k > 0:
             other = [
@@ -252,7 +257,9 @@ def converse(
             int(dusage.get("completion_tokens", 0)),
             stock_prefill and prev_stock_decode and n_eff is not None,
             prev_stock_decode and n_eff is not None,
+            tainted,
         )
+        tainted = tainted or t.stock_pair
         turns.append(t)
         history.append({"role": "assistant", "content": got})
         # What the decode's params say it holds for the next turn.
@@ -278,14 +285,29 @@ def check(
         # and the stock prefill pulls it (vLLM's bug, which gonixl's prefill
         # avoids); reported, not gonixl's to fail on.
         print(f"{label}: {len(stock_wrong)} turns read back between two stock NixlConnectors differ from the baseline: {stock_wrong}")
-    wrong = [(t.conv, t.index, t.got, t.want) for t in turns if t.got != t.want and not t.stock_pair]
+    after_wrong = [
+        (t.conv, t.index, t.got, t.want) for t in turns if t.got != t.want and t.after_stock_pair and not t.stock_pair
+    ]
+    if after_wrong:
+        # The same bug, one turn later: the history's KV vLLM's stock pair
+        # wrote at one position is what this turn's prefix holds.
+        print(
+            f"{label}: {len(after_wrong)} turns after a stock NixlConnector read-back in their conversation "
+            f"differ from the baseline: {after_wrong}"
+        )
+    stock_wrong += after_wrong
+    wrong = [
+        (t.conv, t.index, t.got, t.want)
+        for t in turns
+        if t.got != t.want and not t.stock_pair and not t.after_stock_pair
+    ]
     computed, external = after[0] - before[0], after[1] - before[1]
     want_external = sum(t.pulled for t in turns)
     want_computed = sum(t.prompt_tokens - t.pulled for t in turns)
     hits = sum(t.pulled > 0 for t in turns)
     print(
         f"{label}: {len(turns)} turns, {len(turns) - len(wrong) - len(stock_wrong)} equal to the baseline"
-        + (f" ({len(stock_wrong)} of the others read back between two stock connectors)" if stock_wrong else "")
+        + (f" ({len(stock_wrong)} of the others read back between two stock connectors, or after such a turn)" if stock_wrong else "")
         + f"; {hits} pulled KV from the decode; "
         f"prefill prompt tokens: computed {computed:.0f} (want {want_computed}), pulled {external:.0f} (want {want_external})"
     )
