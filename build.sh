@@ -538,7 +538,7 @@ cmd_test() {
   baseline_end
 }
 
-## test-full: what ./build.sh test leaves out: the full interop, push and TP matrices, multi-turn 2+2 and with stock peers, the netns link cut, the router (about 20 min)
+## test-full: what ./build.sh test leaves out: the full interop, push and TP matrices, multi-turn 2+2 and with stock peers, the netns link cut, the router, pressure in pull mode and with stock peers, the fleet (about 35 min)
 cmd_test_full() {
   run_begin test-full
   step setup cmd_setup
