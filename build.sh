@@ -500,13 +500,14 @@ cmd_test() {
   # Block ownership under KV-cache pressure with async scheduling on (the
   # GPU default; tests/vllm_async_plugin keeps it on here): small KV pools
   # and chunked prefill so that both sides preempt, clients that abandon,
-  # traffic straight at the prefill; push, gonixl on both sides (the mode
-  # whose WRITEs land in the decode's blocks; test-full adds pull and stock
-  # peers). Every completed output equals the baseline's, preemptions grew
-  # on both sides, every live gauge back to zero. Leases are 120 s, so a
-  # hold whose decode never got its request (a client gone in between)
-  # keeps the step at it for up to two minutes per configuration.
-  step e2e-pressure e2e tests/e2e/run_pressure_test.sh GONIXL_E2E_MODEL="$LLAMA" $ASYNC GONIXL_PRESSURE_CONFIGS=push:go-go
+  # traffic straight at the prefill; pull and push, gonixl on both sides
+  # (test-full adds stock peers). Every completed output equals the
+  # baseline's, preemptions grew on both sides, every live gauge back to
+  # zero. gonixl-proxy still hands a request whose client left after its
+  # prefill to the decode (--abandon-grace), whose connector frees the
+  # prefill's blocks at once; without that such a hold would keep the step
+  # waiting for its 120 s lease.
+  step e2e-pressure e2e tests/e2e/run_pressure_test.sh GONIXL_E2E_MODEL="$LLAMA" $ASYNC GONIXL_PRESSURE_CONFIGS=pull:go-go,push:go-go
   baseline_cache_only
   # Push mode (vLLM's NixlPushConnector protocol: the decode registers its
   # blocks, the prefill WRITEs into them; gonixl-proxy --push sends both
@@ -592,14 +593,14 @@ cmd_test_full() {
   step e2e-tp-hybrid-1to2 e2e tests/e2e/run_tp_test.sh GONIXL_E2E_MODEL="$HYBRID" GONIXL_TP_COMBOS=ux1-ux2 \
     GONIXL_E2E_LOGS=tests/e2e/logs/tp-hybrid-1to2
   baseline_end
-  # Block ownership under pressure in pull mode, and against vLLM's stock
-  # connectors on either side (./build.sh test runs push, gonixl on both
+  # Block ownership under pressure against vLLM's stock connectors on
+  # either side (./build.sh test runs pull and push, gonixl on both
   # sides). Not push with a stock
   # prefill: vLLM's push prefill has no admission of unclaimed requests
   # (docs/ARCHITECTURE.md, "Push under KV-cache pressure"), so its holds and
   # the decode's allocations can wait on each other until a timeout.
   step e2e-pressure-stock e2e tests/e2e/run_pressure_test.sh GONIXL_E2E_MODEL="$LLAMA" $ASYNC \
-    GONIXL_PRESSURE_CONFIGS=pull:go-go,pull:stock-go,pull:go-stock,push:go-stock GONIXL_E2E_LOGS=tests/e2e/logs/pressure-stock
+    GONIXL_PRESSURE_CONFIGS=pull:stock-go,pull:go-stock,push:go-stock GONIXL_E2E_LOGS=tests/e2e/logs/pressure-stock
   # The fleet (README, "Fleet"): two gonixl-proxy replicas sharing their
   # multi-turn state in redis-server, one restarted mid-conversation; the
   # decodes' KV events; vllm-router's cache_aware prefill policy against

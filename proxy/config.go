@@ -51,6 +51,14 @@ const (
 // server is about to close.
 const DefaultUpstreamIdleTimeout = 4 * time.Second
 
+// DefaultAbandonGrace: see Config.AbandonGrace. Long enough for vLLM's API
+// server to hand a request it has read to its engine.
+const DefaultAbandonGrace = 2 * time.Second
+
+// NoAbandonGrace, as Config.AbandonGrace, cancels the upstream requests as
+// soon as the client goes away.
+const NoAbandonGrace time.Duration = -1
+
 // DefaultCacheTTL is the lifetime of a conversation's cached decode params:
 // the decode side's decoder_kv_blocks_ttl default (vLLM's and gonixl's,
 // 480 s), the time the decode holds the blocks those params name. An entry
@@ -127,6 +135,14 @@ type Config struct {
 	// reusing a connection the server is closing fails the request with
 	// "connection reset by peer".
 	UpstreamIdleTimeout time.Duration
+	// AbandonGrace is how long an upstream request outlives its client
+	// (default DefaultAbandonGrace; NoAbandonGrace cancels it at once, as
+	// vLLM's toy proxy does). A prefill that answers within it has its
+	// decode request sent all the same, so that the decode's connector
+	// takes the prompt's blocks or, once cancelled, tells the prefill to
+	// free them: a prefill whose decode never hears of the request holds
+	// the blocks until their lease ends.
+	AbandonGrace time.Duration
 
 	// Push: the instances run vLLM's push connector (NixlPushConnector or
 	// GoNixlPushConnector): once a prefill's identity is known (its first
@@ -200,6 +216,9 @@ func (c *Config) validate() error {
 			errs = append(errs, fmt.Errorf("%s %v is negative", d.name, d.v))
 		}
 	}
+	if c.AbandonGrace < 0 && c.AbandonGrace != NoAbandonGrace {
+		errs = append(errs, fmt.Errorf("abandon grace %v is negative", c.AbandonGrace))
+	}
 	if c.MaxBodyBytes < 0 || c.MaxConversations < 0 {
 		errs = append(errs, errors.New("max body bytes and max conversations must not be negative"))
 	}
@@ -230,6 +249,9 @@ func (c *Config) applyDefaults() {
 	}
 	if c.UpstreamIdleTimeout == 0 {
 		c.UpstreamIdleTimeout = DefaultUpstreamIdleTimeout
+	}
+	if c.AbandonGrace == 0 {
+		c.AbandonGrace = DefaultAbandonGrace
 	}
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()

@@ -134,41 +134,122 @@ func waitClosed(t *testing.T, ch <-chan struct{}, what string) {
 	}
 }
 
+// A client that leaves during the prefill: the prefill request outlives it by
+// the abandon grace, then is cancelled; the decode never hears of a prefill
+// that did not answer.
 func TestClientDisconnectCancelsPrefill(t *testing.T) {
-	for _, mode := range []Mode{ModeToy, ModeMultiturn} {
-		t.Run(mode.String(), func(t *testing.T) {
-			arrived, canceled := make(chan struct{}), make(chan struct{})
-			pf := newFake(t, "p0", func(w http.ResponseWriter, r *http.Request, _ received) {
-				close(arrived)
-				select {
-				case <-r.Context().Done():
-					close(canceled)
-				case <-time.After(waitLimit):
+	for _, grace := range []time.Duration{NoAbandonGrace, 300 * time.Millisecond} {
+		for _, mode := range []Mode{ModeToy, ModeMultiturn} {
+			t.Run(fmt.Sprintf("%v/grace=%v", mode, grace), func(t *testing.T) {
+				arrived, canceled := make(chan struct{}), make(chan struct{})
+				pf := newFake(t, "p0", func(w http.ResponseWriter, r *http.Request, _ received) {
+					close(arrived)
+					select {
+					case <-r.Context().Done():
+						close(canceled)
+					case <-time.After(waitLimit):
+					}
+				})
+				df := newFake(t, "d0", decodeHandler("d0", false))
+				r := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Mode = mode; c.AbandonGrace = grace })
+				ctx, cancel := context.WithCancel(context.Background())
+				done := make(chan error, 1)
+				go func() {
+					req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.srv.URL+"/v1/completions",
+						strings.NewReader(`{"prompt":"x"}`))
+					resp, err := r.srv.Client().Do(req)
+					if err == nil {
+						resp.Body.Close()
+					}
+					done <- err
+				}()
+				waitClosed(t, arrived, "prefill request")
+				left := time.Now()
+				cancel()
+				waitClosed(t, canceled, "prefill cancellation after the client left")
+				if took := time.Since(left); grace > 0 && took < grace {
+					t.Errorf("prefill cancelled %v after the client left, before the %v grace", took, grace)
+				}
+				if err := <-done; err == nil {
+					t.Error("client request succeeded after cancel")
+				}
+				if n := len(df.requests()); n != 0 {
+					t.Errorf("decode contacted %d times after the client left", n)
 				}
 			})
-			df := newFake(t, "d0", decodeHandler("d0", false))
-			r := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Mode = mode })
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan error, 1)
-			go func() {
-				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.srv.URL+"/v1/completions",
-					strings.NewReader(`{"prompt":"x"}`))
-				resp, err := r.srv.Client().Do(req)
-				if err == nil {
-					resp.Body.Close()
+		}
+	}
+}
+
+// A prefill that answers after its client left, within the grace: the decode
+// still gets the request with the prefill's params (its connector then frees
+// the prefill's blocks instead of their lease), and is cancelled once the
+// grace has passed. Without a grace it never hears of the request.
+func TestClientGoneAfterPrefillStillReachesDecode(t *testing.T) {
+	const grace = 400 * time.Millisecond
+	for _, g := range []time.Duration{NoAbandonGrace, grace} {
+		for _, mode := range []Mode{ModeToy, ModeMultiturn} {
+			t.Run(fmt.Sprintf("%v/grace=%v", mode, g), func(t *testing.T) {
+				arrived, gone := make(chan struct{}), make(chan struct{})
+				pf := newFake(t, "p0", func(w http.ResponseWriter, r *http.Request, rec received) {
+					close(arrived)
+					<-gone
+					time.Sleep(50 * time.Millisecond) // the proxy sees the client gone first
+					prefillHandler("p0")(w, r, rec)
+				})
+				decoded := make(chan time.Time, 1)
+				dcanceled := make(chan time.Time, 1)
+				df := newFake(t, "d0", func(w http.ResponseWriter, r *http.Request, _ received) {
+					decoded <- time.Now()
+					select {
+					case <-r.Context().Done():
+						dcanceled <- time.Now()
+					case <-time.After(waitLimit):
+					}
+				})
+				r := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Mode = mode; c.AbandonGrace = g })
+				ctx, cancel := context.WithCancel(context.Background())
+				done := make(chan struct{})
+				go func() {
+					defer close(done)
+					req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.srv.URL+"/v1/completions",
+						strings.NewReader(`{"prompt":"x","conversation_id":"c"}`))
+					if resp, err := r.srv.Client().Do(req); err == nil {
+						resp.Body.Close()
+					}
+				}()
+				waitClosed(t, arrived, "prefill request")
+				cancel()
+				waitClosed(t, done, "client gave up")
+				close(gone)
+				if g < 0 {
+					select {
+					case <-decoded:
+						t.Fatal("decode contacted without a grace")
+					case <-time.After(300 * time.Millisecond):
+					}
+					return
 				}
-				done <- err
-			}()
-			waitClosed(t, arrived, "prefill request")
-			cancel()
-			waitClosed(t, canceled, "prefill cancellation after the client left")
-			if err := <-done; err == nil {
-				t.Error("client request succeeded after cancel")
-			}
-			if n := len(df.requests()); n != 0 {
-				t.Errorf("decode contacted %d times after the client left", n)
-			}
-		})
+				var sent time.Time
+				select {
+				case sent = <-decoded:
+				case <-time.After(waitLimit):
+					t.Fatal("decode never got the request of a client that left during its prefill")
+				}
+				reqs := df.requests()
+				if kv, _ := reqs[0].Body["kv_transfer_params"].(map[string]any); kv == nil || kv["remote_engine_id"] == nil {
+					t.Errorf("decode request without the prefill's params: %s", reqs[0].Raw)
+				}
+				select {
+				case end := <-dcanceled:
+					if end.Sub(sent) < grace-50*time.Millisecond {
+						t.Errorf("decode cancelled %v after it was sent, before the %v grace", end.Sub(sent), grace)
+					}
+				case <-time.After(waitLimit):
+					t.Fatal("decode request never cancelled after the grace")
+				}
+			})
+		}
 	}
 }
 

@@ -196,6 +196,9 @@ type exchange struct {
 	raw      []byte
 	base     *zap.Logger
 	lg       *zap.Logger // base with the request's fields, made on first use
+	// abort, when set, cancels the exchange's upstream requests at once when
+	// it ends (push: the decode's request when the prefill's failed).
+	abort context.Context
 	// prefillDur is the prefill leg (request sent to its body read), once
 	// the prefill has answered: sent to the client as Server-Timing.
 	prefillDur time.Duration
@@ -263,6 +266,11 @@ func (p *Proxy) serveCompletion(w http.ResponseWriter, r *http.Request, route, e
 			"request body is not a JSON object: "+err.Error())
 		return
 	}
+	if r.Context().Err() != nil {
+		// Gone before any upstream request: nothing to free anywhere.
+		p.m.errors.WithLabelValues(roleClient, "canceled").Inc()
+		return
+	}
 	reqID := r.Header.Get("X-Request-Id")
 	if reqID == "" {
 		reqID = p.cfg.NewRequestID()
@@ -298,6 +306,37 @@ func (p *Proxy) send(ctx context.Context, ex *exchange, inst Instance, body []by
 	return p.clients[inst].post(ctx, ex.endpoint, h, body)
 }
 
+// errClientGone is the cancellation cause of an upstream request whose client
+// went away Config.AbandonGrace earlier.
+var errClientGone = errors.New("the client went away")
+
+// upstreamContext is the context of one upstream request of ex. It ends
+// Config.AbandonGrace after the client went away, counted from the call when
+// the client has already gone (so a request sent then still reaches vLLM's
+// engine, whose connector then gives the prompt's blocks back through its
+// own abort path), or at once when ex.abort ends. The caller calls cancel.
+func (p *Proxy) upstreamContext(ex *exchange) (context.Context, context.CancelCauseFunc) {
+	ctx, cancel := context.WithCancelCause(context.WithoutCancel(ex.r.Context()))
+	grace := p.cfg.AbandonGrace
+	stopClient := context.AfterFunc(ex.r.Context(), func() {
+		if grace <= 0 {
+			cancel(errClientGone)
+			return
+		}
+		t := time.AfterFunc(grace, func() { cancel(errClientGone) })
+		context.AfterFunc(ctx, func() { t.Stop() })
+	})
+	stopAbort := func() bool { return false }
+	if ex.abort != nil {
+		stopAbort = context.AfterFunc(ex.abort, func() { cancel(context.Cause(ex.abort)) })
+	}
+	return ctx, func(err error) {
+		stopClient()
+		stopAbort()
+		cancel(err)
+	}
+}
+
 // errUpstreamTimeout is the cancellation cause when an upstream wait runs
 // past Config.UpstreamTimeout.
 var errUpstreamTimeout = errors.New("upstream timeout")
@@ -305,7 +344,9 @@ var errUpstreamTimeout = errors.New("upstream timeout")
 // prefill sends the rewritten request to a prefill instance and returns its
 // parsed JSON response.
 func (p *Proxy) prefill(ex *exchange, inst Instance, body []byte) (object, *upstreamError) {
-	ctx, cancel := context.WithTimeoutCause(ex.r.Context(), p.cfg.UpstreamTimeout, errUpstreamTimeout)
+	up, upCancel := p.upstreamContext(ex)
+	defer upCancel(nil)
+	ctx, cancel := context.WithTimeoutCause(up, p.cfg.UpstreamTimeout, errUpstreamTimeout)
 	defer cancel()
 	fail := func(reason string, err error) *upstreamError {
 		return &upstreamError{role: rolePrefill, target: inst.String(), reason: reason, err: err}
@@ -356,7 +397,7 @@ func (u *upstreamTimer) stop()     { u.t.Stop() }
 // headers arrived with a 2xx status. The caller reads and closes the body,
 // calls timer.progress() after each read and finally cancel(nil).
 func (p *Proxy) openDecode(ex *exchange, inst Instance, body []byte) (*http.Response, context.Context, context.CancelCauseFunc, *upstreamTimer, *upstreamError) {
-	ctx, cancel := context.WithCancelCause(ex.r.Context())
+	ctx, cancel := p.upstreamContext(ex)
 	timer := startUpstreamTimer(p.cfg.UpstreamTimeout, cancel)
 	fail := func(reason string, err error) *upstreamError {
 		timer.stop()

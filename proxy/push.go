@@ -131,10 +131,10 @@ func (p *Proxy) servePush(ex *exchange) {
 	}
 	// The decode's request is cancelled if the prefill's fails: no WRITE
 	// would come, and its blocks would wait for push_registration_timeout.
-	ctx, cancel := context.WithCancelCause(ex.r.Context())
+	ctx, cancel := context.WithCancelCause(context.Background())
 	defer cancel(nil)
 	dex := *ex
-	dex.r = ex.r.WithContext(ctx)
+	dex.abort = ctx
 	pex := *ex
 	pdone := make(chan *upstreamError, 1)
 	go func() {

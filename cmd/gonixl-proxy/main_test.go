@@ -71,6 +71,17 @@ func TestParseArgs(t *testing.T) {
 				t.Errorf("state store %q timeout %v ttl %v prefix %q", o.stateURL, o.cfg.StateTimeout, o.cfg.CacheTTL, o.stateKeyPrefix)
 			}
 		}, ""},
+		{"abandon grace", []string{"--abandon-grace", "0.5"}, func(t *testing.T, o *options) {
+			if o.cfg.AbandonGrace != 500*time.Millisecond {
+				t.Errorf("abandon grace %v", o.cfg.AbandonGrace)
+			}
+		}, ""},
+		{"no abandon grace", []string{"--abandon-grace", "0"}, func(t *testing.T, o *options) {
+			if o.cfg.AbandonGrace != proxy.NoAbandonGrace {
+				t.Errorf("abandon grace %v", o.cfg.AbandonGrace)
+			}
+		}, ""},
+		{"bad abandon grace", []string{"--abandon-grace", "-1"}, nil, "not a positive number"},
 		{"bad state store", []string{"--state-store", "mysql://x"}, nil, "not memory or a redis://"},
 		{"bad state timeout", []string{"--state-store-timeout", "0"}, nil, "not a positive number"},
 		{"host/port count mismatch", []string{"--prefiller-hosts", "a", "b"}, nil,
