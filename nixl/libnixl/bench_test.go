@@ -2,8 +2,10 @@ package libnixl
 
 import (
 	"reflect"
+	"slices"
 	"syscall"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/gonixl/gonixl/nixl"
@@ -165,3 +167,45 @@ func BenchmarkRead4KiBx1(b *testing.B)     { benchXfer(b, nixl.Read, 4096, 1) }
 func BenchmarkRead4KiBx1024(b *testing.B)  { benchXfer(b, nixl.Read, 4096, 1024) }
 func BenchmarkRead1MiBx64(b *testing.B)    { benchXfer(b, nixl.Read, 1<<20, 64) }
 func BenchmarkWrite4KiBx1024(b *testing.B) { benchXfer(b, nixl.Write, 4096, 1024) }
+
+// BenchmarkPostShare14MiB is a 14 MiB READ (224 scattered blocks of 64
+// KiB, with a notification) between two agents of this process, progress
+// threads on as the shim runs them, and reports how much of the transfer
+// the posting thread spends in Post: post-µs against xfer-µs (post start
+// to completion), medians. With NIXL's UCX backend on one host the copy
+// (CMA lane) runs inside Post, on the caller's thread — vLLM's model
+// thread in the shim — which is why the shim posts for this engine from a
+// goroutine (nixl.PostCopies). go test -run XXX -bench PostShare ./nixl/libnixl
+func BenchmarkPostShare14MiB(b *testing.B) {
+	const block, n = 64 << 10, 224
+	p := newBenchPair(b, block, n, true)
+	idx := scattered(n)
+	x, err := p.a.MakeXfer(nixl.Read, p.local, idx, p.remote, idx, []byte("n"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer x.Release()
+	b.SetBytes(int64(block * n))
+	var posts, xfers []time.Duration
+	b.ResetTimer()
+	for b.Loop() {
+		t0 := time.Now()
+		st, err := x.Post()
+		t1 := time.Now()
+		for err == nil && st == nixl.InProgress {
+			st, err = x.Check()
+		}
+		if err != nil {
+			b.Fatal(err)
+		}
+		posts, xfers = append(posts, t1.Sub(t0)), append(xfers, time.Since(t0))
+	}
+	b.ReportMetric(medianMicros(posts), "post-µs")
+	b.ReportMetric(medianMicros(xfers), "xfer-µs")
+}
+
+func medianMicros(d []time.Duration) float64 {
+	s := slices.Clone(d)
+	slices.Sort(s)
+	return float64(s[len(s)/2].Nanoseconds()) / 1e3
+}
