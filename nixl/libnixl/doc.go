@@ -61,4 +61,7 @@
 // list, registering memory) can hold that mutex for seconds; the agent
 // reports one running or waiting (nixl.ControlBusy), and the shim puts off
 // the polls and posts of vLLM's model thread meanwhile (shim/busy.go).
+// Post of a DRAM transfer copies its bytes before it returns (NIXL's UCX
+// backend, CMA on one host): the agent says so (nixl.PostCopies), and the
+// shim posts from a goroutine of its own (shim/post.go).
 package libnixl

@@ -194,6 +194,38 @@ func TestClosedAgent(t *testing.T) {
 	}
 }
 
+// The agent says that Post copies (nixl.PostCopies) once it holds DRAM:
+// NIXL's UCX backend copies a same-host DRAM transfer inside Post
+// (BenchmarkPostShare14MiB), and the shim then posts from a goroutine.
+func TestPostCopiesWithDRAM(t *testing.T) {
+	requireNIXL(t)
+	ag, err := Engine{}.NewAgent(nixl.AgentConfig{Name: "post-copies"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ag.Close()
+	pc, ok := ag.(nixl.PostCopies)
+	if !ok {
+		t.Fatalf("%T does not implement nixl.PostCopies", ag)
+	}
+	if pc.PostCopies() {
+		t.Fatal("PostCopies before any memory was registered")
+	}
+	m, err := syscall.Mmap(-1, 0, 1<<16, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Munmap(m)
+	regs := []nixl.Region{{Addr: addrOf(m), Len: uint64(len(m))}}
+	if err := ag.RegisterMem(nixl.DRAM, regs); err != nil {
+		t.Fatal(err)
+	}
+	defer ag.DeregisterMem(nixl.DRAM, regs)
+	if !pc.PostCopies() {
+		t.Fatal("no PostCopies with DRAM registered")
+	}
+}
+
 // When the library cannot be loaded, Available says why and nothing
 // crashes. Load state is per process, so a child process checks it.
 func TestUnavailable(t *testing.T) {

@@ -23,6 +23,10 @@
 //     as the ucx engine does (Script.RefuseReleaseInFlight; with
 //     Script.InFlightSurvivesInvalidate even past InvalidateRemote), and
 //     the next occurrence of a step failed (Agent.FailNext).
+//   - Posting: Script.PostCopies makes an agent say that Post copies on
+//     the caller's thread (nixl.PostCopies, the NIXL engine's DRAM
+//     transfers), and Script.PostHook runs at the start of every Post
+//     without the engine's lock, to make a post slow or hold it.
 //   - Validation follows NIXL: descriptors must lie in registered regions
 //     (ERR_NOT_FOUND), index arrays must be non-empty, of equal length, in
 //     range and pair equal lengths (ERR_INVALID_PARAM), re-posting an

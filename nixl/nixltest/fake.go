@@ -53,6 +53,16 @@ type Script struct {
 	// engine's lock held: a test can make a preparation slow and check
 	// what keeps running meanwhile.
 	PrepHook func(remote string, n int)
+	// PostCopies makes the agent report nixl.PostCopies (Post moves the
+	// bytes on the caller's thread, as the NIXL engine's does for DRAM);
+	// off, it reports that it does not (the ucx engine has no such
+	// method).
+	PostCopies bool
+	// PostHook, if set, is called at the start of every Post (the
+	// transfer's id, as Transfers lists it) without the engine's lock
+	// held: a test can make a post slow, or hold it, and check what the
+	// caller does meanwhile.
+	PostHook func(id uint64)
 	// ControlBusy makes the agent report nixl.ControlBusy while a
 	// PrepDescList (its PrepHook included) or LoadRemoteMetadata runs, as
 	// the NIXL engine does; off, it never reports busy.
@@ -387,6 +397,13 @@ func (a *Agent) LocalMetadata() ([]byte, error) {
 	return append([]byte(mdMagic), js...), nil
 }
 
+// PostCopies implements nixl.PostCopies (Script.PostCopies).
+func (a *Agent) PostCopies() bool {
+	a.e.mu.Lock()
+	defer a.e.mu.Unlock()
+	return a.script.PostCopies
+}
+
 // ControlBusy implements nixl.ControlBusy (Script.ControlBusy).
 func (a *Agent) ControlBusy() bool { return a.control.Load() > 0 }
 
@@ -610,6 +627,12 @@ func (x *xfer) stale(op string) error {
 
 func (x *xfer) Post() (nixl.Status, error) {
 	a := x.a
+	a.e.mu.Lock()
+	hook := a.script.PostHook
+	a.e.mu.Unlock()
+	if hook != nil {
+		hook(x.id)
+	}
 	a.e.mu.Lock()
 	defer a.e.mu.Unlock()
 	a.record("Post", "%v %d descs", x.op, len(x.li))
