@@ -3,7 +3,9 @@
 // one lock, and a handshake goroutine's metadata load or descriptor-list
 // preparation for a new peer held it for 4.8 s while get_finished waited
 // behind it (bench/timed_connector.py on a loaded 2-vCPU host). The model
-// thread must not wait on another engine's first contact.
+// thread must not wait on another engine's first contact. A post from the
+// worker's poster (post.go) holds that lock too: polls, READs, WRITEs and
+// heartbeats are put off the same way while one runs (agentBusyLocked).
 
 package shim
 
@@ -16,6 +18,17 @@ import (
 // busyLogAfter is how long the agent may stay busy before the worker says
 // that it is putting its polls off (once per busy period).
 const busyLogAfter = 1.0 // seconds
+
+// agentBusyLocked reports whether a call on the agent from this thread
+// would wait: the poster is posting on it (post.go), or it is in a long
+// control call (engineBusyLocked). A post takes milliseconds: it is not
+// logged.
+func (w *Worker) agentBusyLocked() bool {
+	if w.postsRunning.Load() > 0 {
+		return true
+	}
+	return w.engineBusyLocked()
+}
 
 // engineBusyLocked reports whether the agent is in a long control call
 // (nixl.ControlBusy); engines without the capability never are. It also
@@ -49,17 +62,26 @@ func (w *Worker) deferReadLocked(st *recvState) {
 	w.deferred = append(w.deferred, st.id)
 }
 
-// postDeferredLocked posts the READs put off while the agent was busy, in
-// the order they came. The caller has checked that it is free.
+// postDeferredLocked posts the READs and WRITEs put off while the agent
+// was busy, in the order they came. The caller has checked that it is
+// free.
 func (w *Worker) postDeferredLocked() {
-	if len(w.deferred) == 0 {
-		return
+	if ids := w.deferred; len(ids) > 0 {
+		w.deferred = nil
+		for _, id := range ids {
+			if st, ok := w.recv[id]; ok && st.waiting {
+				w.readLocked(st)
+			}
+		}
 	}
-	ids := w.deferred
-	w.deferred = nil
-	for _, id := range ids {
-		if st, ok := w.recv[id]; ok && st.waiting {
-			w.readLocked(st)
+	if ids := w.push.deferred; len(ids) > 0 {
+		w.push.deferred = nil
+		for _, id := range ids {
+			// Still matched and computed, not written: not preempted,
+			// cancelled or abandoned meanwhile.
+			if ps := w.push.sends[id]; ps != nil && ps.state == sendComputing && ps.computed && ps.reg != nil {
+				w.writeKnownLocked(ps)
+			}
 		}
 	}
 }

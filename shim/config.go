@@ -64,6 +64,7 @@ type Config struct {
 	TransferTimeout        float64  `json:"-"` // gonixl: seconds a READ may stay in flight
 	HandshakeTimeout       float64  `json:"-"` // gonixl: seconds a whole handshake may take
 	ProgressDelayUs        int      `json:"-"` // gonixl: NIXL progress thread's wait for an event, µs
+	PostOffModelThread     bool     `json:"-"` // gonixl: post from the worker's poster when Post copies (post.go)
 
 	// Worker-side facts the Python connector reads from vLLM's config.
 	// TransferMode is "pull" (NixlConnector: the decode READs) or "push"
@@ -257,6 +258,12 @@ func (c *Config) applyDefaults() error {
 	}
 	if c.ProgressDelayUs < 0 || int64(c.ProgressDelayUs) > math.MaxInt64/int64(time.Microsecond) {
 		return fmt.Errorf("config: progress_thread_delay_us must be between 0 and %d, got %d", math.MaxInt64/int64(time.Microsecond), c.ProgressDelayUs)
+	}
+	// The NIXL engine's Post copies a DRAM transfer before it returns: by
+	// default the worker posts from a goroutine of its own (post.go);
+	// false posts on vLLM's model thread, as before.
+	if c.PostOffModelThread, err = x.bool("post_off_model_thread", true); err != nil {
+		return err
 	}
 	return nil
 }

@@ -14,8 +14,10 @@
 //
 // Concurrency: Scheduler and Worker are safe for concurrent use; their
 // public methods take the object's lock, and background goroutines
-// (handshakes, progress, lease sweeps) communicate through channels. No
-// method blocks on the network: waits happen on goroutines and results are
-// collected by polling calls, so vLLM's model thread is never held up.
+// (handshakes, progress, lease sweeps, the poster of an engine whose Post
+// copies: post.go) communicate through channels or take the lock to record
+// their results. No method blocks on the network: waits happen on
+// goroutines and results are collected by polling calls, so vLLM's model
+// thread is never held up.
 // Time comes from an injected Clock so leases are unit-tested without sleeps.
 package shim

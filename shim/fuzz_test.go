@@ -484,7 +484,7 @@ func FuzzParseConfig(f *testing.F) {
 	f.Add(base(RoleWorker, "kv_consumer", map[string]any{"backends": []string{"UCX"}, "num_threads": "8", "kv_lease_duration": 30,
 		"decoder_kv_blocks_ttl": "480", "bidirectional_kv_xfer": "true", "kv_recompute_threshold": 64, "enforce_handshake_compat": false,
 		"engine_ttl": 3600, "transfer_engine": "ucx", "side_channel_secret": "s", "transfer_timeout": 60, "handshake_timeout": 30,
-		"progress_thread_delay_us": 0}, map[string]any{"tp_size": 2, "tp_rank": 1, "pp_size": 2, "pp_rank": 1, "dp_index": 3,
+		"progress_thread_delay_us": 0, "post_off_model_thread": "false"}, map[string]any{"tp_size": 2, "tp_rank": 1, "pp_size": 2, "pp_rank": 1, "dp_index": 3,
 		"block_size": 16, "side_channel_port": 5600, "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute",
 		"transfer_groups": []TransferGroup{{Kind: "full"}, {Kind: "sliding_window", SlidingWindow: 4096, BlockSize: 16}}, "hma_required": true}))
 	for _, extra := range []map[string]any{
@@ -492,6 +492,7 @@ func FuzzParseConfig(f *testing.F) {
 		{"handshake_timeout": "+Inf"}, {"handshake_timeout": 1e12}, {"decoder_kv_blocks_ttl": "NaN"}, {"decoder_kv_blocks_ttl": "-inf"},
 		{"engine_ttl": "inf"}, {"engine_ttl": "nan"}, {"num_threads": 1.5}, {"num_threads": 1e30}, {"progress_thread_delay_us": 1e18},
 		{"backends": []any{}}, {"backends": []any{1}}, {"bidirectional_kv_xfer": 2}, {"transfer_engine": 5},
+		{"post_off_model_thread": "maybe"},
 	} {
 		f.Add(base(RoleWorker, "kv_producer", extra, nil))
 	}

@@ -56,6 +56,7 @@ func (w *Worker) SetPublisher(p Publisher) {
 // busyLocked reports whether the next engine step must poll.
 func (w *Worker) busyLocked() bool {
 	return len(w.recv) > 0 || w.held.Len() > 0 || len(w.toProcess) > 0 || len(w.deferred) > 0 ||
+		len(w.push.deferred) > 0 || len(w.postQueue) > 0 || w.postsRunning.Load() > 0 ||
 		len(w.push.sends) > 0 || len(w.push.computing) > 0 || len(w.push.earlyDone) > 0 ||
 		(w.cfg.TransferMode == "push" && w.cfg.KVRole != "kv_consumer") ||
 		len(w.done.Sending)+len(w.done.Recving)+len(w.done.Failed) > 0 || w.notifsFailed
@@ -130,7 +131,7 @@ func (w *Worker) IdlePoll() bool {
 	if w.closed {
 		return false
 	}
-	if w.agent == nil || !w.busyLocked() || w.engineBusyLocked() || time.Since(w.lastPoll) < idlePollAfter {
+	if w.agent == nil || !w.busyLocked() || w.agentBusyLocked() || time.Since(w.lastPoll) < idlePollAfter {
 		return true
 	}
 	before := len(w.done.Sending) + len(w.done.Recving) + len(w.done.Failed)

@@ -120,12 +120,12 @@ func TestConfigDefaultsAndErrors(t *testing.T) {
 	if c.KVLeaseDuration != 12 || !c.BidirectionalKVXfer || c.KVRecomputeThreshold != 64 || len(c.Backends) != 2 ||
 		c.NumThreads != 4 || c.EngineTTL != 3600 || c.DecoderKVBlocksTTL != 480 || c.KVLoadFailurePolicy != "fail" ||
 		c.SideChannelHost != "localhost" || c.SideChannelPort != 5600 || c.TransferEngine != "auto" || !c.EnforceHandshakeCompat ||
-		c.ProgressDelayUs != 1000 {
+		c.ProgressDelayUs != 1000 || !c.PostOffModelThread {
 		t.Fatalf("defaults: %+v", c)
 	}
 	if c, err := ParseConfig([]byte(`{"role":"worker","kv_role":"kv_consumer","engine_id":"e",
-		"kv_connector_extra_config":{"progress_thread_delay_us":"0"}}`)); err != nil || c.ProgressDelayUs != 0 {
-		t.Fatalf("progress_thread_delay_us \"0\": %v, %+v", err, c)
+		"kv_connector_extra_config":{"progress_thread_delay_us":"0","post_off_model_thread":"False"}}`)); err != nil || c.ProgressDelayUs != 0 || c.PostOffModelThread {
+		t.Fatalf("progress_thread_delay_us \"0\", post_off_model_thread \"False\": %v, %+v", err, c)
 	}
 	for _, bad := range []string{
 		`{"role":"worker","kv_role":"kv_consumer","engine_id":"e","tp_size":2,"tp_rank":2}`,
@@ -133,6 +133,7 @@ func TestConfigDefaultsAndErrors(t *testing.T) {
 		`{"role":"worker","kv_role":"kv_consumer","engine_id":"e","kv_connector_extra_config":{"kv_lease_duration":-1}}`,
 		`{"role":"worker","kv_role":"kv_consumer","engine_id":"e","side_channel_port":70000}`,
 		`{"role":"worker","kv_role":"kv_consumer","engine_id":"e","kv_connector_extra_config":{"progress_thread_delay_us":-5}}`,
+		`{"role":"worker","kv_role":"kv_consumer","engine_id":"e","kv_connector_extra_config":{"post_off_model_thread":"maybe"}}`,
 	} {
 		if _, err := ParseConfig([]byte(bad)); err == nil {
 			t.Errorf("accepted %s", bad)

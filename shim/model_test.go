@@ -39,7 +39,9 @@ import (
 // registrations, a second READ with the same params, handshakes that
 // finish late, notifications that arrive late, transfers that complete,
 // fail or land without a poll, releases the engine refuses (while
-// operations are in flight, also past InvalidateRemote), injected faults,
+// operations are in flight, also past InvalidateRemote), posts from the
+// worker's poster (an engine whose Post copies, post.go) held for a while,
+// injected faults,
 // clock jumps past every timeout, engine stalls, idle engines evicted, a
 // peer that dies. Every forward writes each token's KV as a pattern of the
 // tokens up to it, so a block's bytes say whose KV it holds. After every
@@ -98,6 +100,10 @@ const modelDefaultRuns = 300
 // S2 (issue 30 item 5's TestSchedulerAsyncImpliesRead) was reached by
 // preempting a prefill that had read a conversation back.
 var modelOpenFindings = map[string]string{}
+
+// modelPosts, in a run's allow set, draws posting from the worker's poster
+// (mConfig.postP, postD, postDelay).
+const modelPosts = "POSTS"
 
 // modelFindingIDs: every finding the model has a gate for, open or fixed.
 var modelFindingIDs = []string{"F1", "F2", "F3", "F4", "F5", "F6", "N4", "N5", "N6"}
@@ -184,6 +190,10 @@ func modelAllowed(spec string) map[string]bool {
 			allow[f] = true
 		}
 	}
+	// Not a finding: posting from the poster (drawn from a generator of
+	// its own, so that a run without it is the run it was before). The
+	// finding seeds run without it.
+	allow[modelPosts] = true
 	for _, f := range strings.Split(spec, ",") {
 		f = strings.ToUpper(strings.TrimSpace(f))
 		if f == "ALL" {
@@ -287,6 +297,12 @@ type mConfig struct {
 	// them back.
 	bidi   bool
 	events int
+	// postP, postD: that engine's agent says its Post copies
+	// (nixl.PostCopies): the worker posts from its poster (post.go);
+	// postDelay: each such post is held at a gate until an event, an
+	// engine call with preemptions or half a second of the clock lets
+	// it go.
+	postP, postD, postDelay bool
 }
 
 func (c mConfig) String() string {
@@ -300,8 +316,9 @@ func (c mConfig) String() string {
 		EngineTTL                            float64
 		Bidirectional                        bool
 		Events                               int
+		PostP, PostD, PostDelay              bool
 	}{c.push, c.asyncP, c.asyncD, c.recompute, c.blocksP, c.blocksD, c.budget, c.maxRunning, c.loadFirst, c.netDelay, c.hsDelay,
-		c.pollsP, c.pollsD, c.refuseP, c.refuseD, c.survives, c.engineTTL, c.bidi, c.events})
+		c.pollsP, c.pollsD, c.refuseP, c.refuseD, c.survives, c.engineTTL, c.bidi, c.events, c.postP, c.postD, c.postDelay})
 }
 
 // Timeouts of both engines (seconds on the injected clock).
@@ -346,6 +363,9 @@ type mRun struct {
 	net       []netMsg // held notifications, in send order
 	regCopies []netMsg // PUSH_REG notifications seen
 	gates     []*hsGate
+	postGates []*postGateM
+	// posts made by a poster, and those held at the gate (stats)
+	postsAsync, postsHeld int
 
 	xinfo       map[uint64]*xInfo
 	nextConv    int
@@ -372,6 +392,14 @@ type netMsg struct {
 	from, to string
 	msg      []byte
 	at       float64 // sent (the injected clock)
+}
+
+// postGateM is a post held at the start of Post (postDelay).
+type postGateM struct {
+	who   *mEngine
+	id    uint64 // the transfer (nixltest's id)
+	ch    chan struct{}
+	since float64
 }
 
 type hsGate struct {
@@ -405,6 +433,12 @@ func runModel(tb testing.TB, seed int64, allow map[string]bool) (res mResult) {
 			r.violation = fmt.Sprintf("panic: %v", p)
 		}
 		r.teardown()
+		r.mu.Lock()
+		if r.postsAsync > 0 {
+			r.stats["posts_async"] += r.postsAsync
+			r.stats["posts_held"] += r.postsHeld
+		}
+		r.mu.Unlock()
 		res = mResult{violation: r.violation, cfg: r.cfg, trace: r.trace, stats: r.stats}
 	}()
 	r.setup()
@@ -444,6 +478,11 @@ func (r *mRun) drawConfig() mConfig {
 	if c.push && !r.allow["F3"] {
 		c.engineTTL = 0
 	}
+	if r.allow[modelPosts] {
+		prng := rand.New(rand.NewSource(r.seed*7919 + 17))
+		c.postP, c.postD = prng.Intn(2) == 0, prng.Intn(2) == 0
+		c.postDelay = (c.postP || c.postD) && prng.Intn(2) == 0
+	}
 	return c
 }
 
@@ -469,13 +508,13 @@ func (r *mRun) setup() {
 	})
 	modelCurrent.Store(r)
 	testPanicHook = modelHandshakeGate
-	r.P = r.newEngine("P", "kv_producer", "engine-p", r.cfg.blocksP, r.cfg.asyncP, false, r.cfg.pollsP, r.cfg.refuseP)
-	r.D = r.newEngine("D", "kv_consumer", "engine-d", r.cfg.blocksD, r.cfg.asyncD, r.cfg.recompute, r.cfg.pollsD, r.cfg.refuseD)
+	r.P = r.newEngine("P", "kv_producer", "engine-p", r.cfg.blocksP, r.cfg.asyncP, false, r.cfg.pollsP, r.cfg.refuseP, r.cfg.postP)
+	r.D = r.newEngine("D", "kv_consumer", "engine-d", r.cfg.blocksD, r.cfg.asyncD, r.cfg.recompute, r.cfg.pollsD, r.cfg.refuseD, r.cfg.postD)
 	r.sides = []*mEngine{r.P, r.D}
 	r.tracef("seed %d config %s; P agent %s port %d, D agent %s port %d", r.seed, r.cfg, r.P.agent, r.P.port, r.D.agent, r.D.port)
 }
 
-func (r *mRun) newEngine(name, kvRole, id string, blocks int, async, recompute bool, polls int, refuse bool) *mEngine {
+func (r *mRun) newEngine(name, kvRole, id string, blocks int, async, recompute bool, polls int, refuse, postCopies bool) *mEngine {
 	tb := r.tb
 	port := freePort(tb.(*testing.T))
 	mode := "pull"
@@ -524,7 +563,12 @@ func (r *mRun) newEngine(name, kvRole, id string, blocks int, async, recompute b
 	s.wall = func() float64 { return 1.7e9 + r.clock.Now() } // gonixl_expiry_unix on the injected clock
 	e.sched, e.work = s, w
 	e.mem = newModelMem(tb, blocks)
-	r.eng.SetScript(nixltest.Script{Polls: polls, RefuseReleaseInFlight: refuse, InFlightSurvivesInvalidate: r.cfg.survives})
+	sc := nixltest.Script{Polls: polls, RefuseReleaseInFlight: refuse, InFlightSurvivesInvalidate: r.cfg.survives}
+	if postCopies {
+		sc.PostCopies = true
+		sc.PostHook = func(id uint64) { r.postGate(e, id) }
+	}
+	r.eng.SetScript(sc)
 	w.engineOverride = r.eng
 	if err := w.RegisterKVCaches(e.mem.init()); err != nil {
 		tb.Fatal(err)
@@ -546,10 +590,14 @@ func (r *mRun) teardown() {
 	r.mu.Lock()
 	gates := r.gates
 	r.gates = nil
+	for _, e := range r.sides {
+		e.postsOpen = true // Close waits for the posts in progress
+	}
 	r.mu.Unlock()
 	for _, g := range gates {
 		close(g.ch)
 	}
+	r.releasePosts(func(*postGateM) bool { return true })
 	for _, e := range r.sides {
 		_ = e.work.Close()
 		_ = e.sched.Close()
@@ -615,11 +663,12 @@ func (r *mRun) settleHandshakes() {
 		r.mu.Lock()
 		gated := len(r.gates)
 		r.mu.Unlock()
-		if pending == gated {
+		posts := r.postsSettled()
+		if pending == gated && posts == "" {
 			return
 		}
 		if time.Now().After(deadline) {
-			r.violate("model", "handshakes did not settle: %d pending, %d gated", pending, gated)
+			r.violate("model", "handshakes did not settle: %d pending, %d gated; posts: %s", pending, gated, posts)
 			return
 		}
 		time.Sleep(20 * time.Microsecond)
@@ -644,6 +693,117 @@ func (r *mRun) releaseGates(i int) {
 	for _, g := range open {
 		r.tracef("  handshake %s -> %s runs", g.who.name, g.key)
 		close(g.ch)
+	}
+}
+
+// ---------------------------------------------------------------------------
+// posts from the worker's poster (postP, postD): with postDelay each waits
+// at a gate, so that it returns at a point the seed decides; after every
+// call into a worker the model waits until each post started is at its
+// gate or returned (settleHandshakes), so that a run stays deterministic.
+
+// postGate is the fake engine's PostHook for engine e's agent.
+func (r *mRun) postGate(e *mEngine, id uint64) {
+	r.mu.Lock()
+	r.postsAsync++
+	if !r.cfg.postDelay || e.postsOpen || e.dead {
+		r.mu.Unlock()
+		return
+	}
+	g := &postGateM{who: e, id: id, ch: make(chan struct{}), since: r.clock.Now()}
+	r.postGates = append(r.postGates, g)
+	r.postsHeld++
+	r.mu.Unlock()
+	<-g.ch
+}
+
+// postsSettled is "" when no live engine's worker has a post queued, and
+// none running or its poster held at a gate (the posts it took after the
+// held one wait behind it); else what is still moving.
+func (r *mRun) postsSettled() string {
+	r.mu.Lock()
+	held := map[*mEngine]int{}
+	for _, g := range r.postGates {
+		held[g.who]++
+	}
+	r.mu.Unlock()
+	for _, e := range r.live() {
+		w := e.work
+		w.mu.Lock()
+		queued, running := len(w.postQueue), int(w.postsRunning.Load())
+		w.mu.Unlock()
+		if queued > 0 || (running > 0 && held[e] == 0) {
+			return fmt.Sprintf("%s: %d queued, %d running, %d held", e.name, queued, running, held[e])
+		}
+	}
+	return ""
+}
+
+// releasePosts lets the held posts that match go, in transfer order.
+func (r *mRun) releasePosts(match func(*postGateM) bool) {
+	r.mu.Lock()
+	var keep, open []*postGateM
+	for _, g := range r.postGates {
+		if match(g) {
+			open = append(open, g)
+		} else {
+			keep = append(keep, g)
+		}
+	}
+	r.postGates = keep
+	r.mu.Unlock()
+	sort.Slice(open, func(a, b int) bool { return open[a].id < open[b].id })
+	for _, g := range open {
+		r.tracef("  %s's post of transfer %d returns", g.who.name, g.id)
+		close(g.ch)
+	}
+}
+
+// livePostGates counts the held posts of live engines.
+func (r *mRun) livePostGates() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for _, g := range r.postGates {
+		if !g.who.dead {
+			n++
+		}
+	}
+	return n
+}
+
+// releasePost lets held post i of a live engine (in transfer order) go,
+// and settles.
+func (r *mRun) releasePost(i int) {
+	r.mu.Lock()
+	sort.Slice(r.postGates, func(a, b int) bool { return r.postGates[a].id < r.postGates[b].id })
+	var pick *postGateM
+	for _, g := range r.postGates {
+		if g.who.dead {
+			continue
+		}
+		if i == 0 {
+			pick = g
+			break
+		}
+		i--
+	}
+	r.mu.Unlock()
+	r.releasePosts(func(g *postGateM) bool { return g == pick })
+	r.settleHandshakes()
+	r.checkMoves()
+}
+
+// openPosts lets engine e's posts through the gate (and the held ones go)
+// while open: a call that may fence a preempted push's WRITE waits for its
+// post, which in a process takes milliseconds.
+func (r *mRun) openPosts(e *mEngine, open bool) {
+	r.mu.Lock()
+	e.postsOpen = open
+	r.mu.Unlock()
+	if open {
+		r.releasePosts(func(g *postGateM) bool { return g.who == e })
+		r.settleHandshakes()
 	}
 }
 
@@ -1081,6 +1241,9 @@ func (r *mRun) event(i int) {
 	if gated > 0 {
 		add(6, "handshake", func() { r.releaseGates(r.rng.Intn(gated)); r.settleHandshakes() })
 	}
+	if postsHeld := r.livePostGates(); postsHeld > 0 {
+		add(6, "post", func() { r.releasePost(r.rng.Intn(postsHeld)) })
+	}
 	if n := r.mayMove(); len(n) > 0 {
 		add(3, "settle", func() { r.settle(n[r.rng.Intn(len(n))], r.rng.Intn(5) != 0) })
 	}
@@ -1333,6 +1496,11 @@ func (r *mRun) advance(d float64) {
 	for d > 0 && r.violation == "" {
 		r.deliverAll()
 		r.releaseOldGates()
+		// A post takes milliseconds: none is held past half a second.
+		now := r.clock.Now()
+		r.releasePosts(func(g *postGateM) bool { return now-g.since >= 0.5 && !g.who.dead })
+		r.settleHandshakes()
+		r.checkMoves()
 		dt := min(d, 0.5)
 		r.clock.Advance(dt)
 		d -= dt
@@ -1478,7 +1646,9 @@ func (r *mRun) fault() {
 func (r *mRun) kill() {
 	e := r.live()[r.rng.Intn(2)]
 	r.killed = true
-	e.dead = true
+	r.mu.Lock()
+	e.dead = true // its held posts never return (until the teardown)
+	r.mu.Unlock()
 	r.tracef("  %s dies", e.name)
 	if a := r.eng.Agent(e.agent); a != nil {
 		a.Kill()
@@ -1545,6 +1715,7 @@ func (r *mRun) drain() {
 			}
 		}
 		r.releaseGates(-1)
+		r.releasePosts(func(g *postGateM) bool { return !g.who.dead })
 		r.settleHandshakes()
 		r.deliverAll()
 		for _, id := range r.mayMove() {
@@ -1560,6 +1731,7 @@ func (r *mRun) drain() {
 				// vLLM does not step it: its worker polls by itself
 				// (shim/idle.go; the model runs it with no goroutine).
 				e.work.IdlePoll()
+				r.settleHandshakes()
 			}
 		}
 		r.checkMoves()
@@ -1595,6 +1767,11 @@ func (r *mRun) quiescent() bool {
 	r.mu.Lock()
 	n := len(r.net)
 	for _, g := range r.gates {
+		if !g.who.dead {
+			n++
+		}
+	}
+	for _, g := range r.postGates {
 		if !g.who.dead {
 			n++
 		}

@@ -201,6 +201,10 @@ type mEngine struct {
 	queue       []*mBatch // scheduled, output not processed; oldest first
 	dead        bool
 	stallUntil  float64 // the engine loop does not step before this time
+	// postsOpen: its worker's posts pass the model's post gate (a call
+	// that may fence a preempted push's WRITE runs: it waits for them);
+	// under mRun.mu.
+	postsOpen bool
 }
 
 func (e *mEngine) stalled() bool { return e.r.clock.Now() < e.stallUntil }
@@ -544,6 +548,11 @@ func (e *mEngine) exec(b *mBatch) {
 		return
 	}
 	if b.preempted {
+		// A fence waits for a WRITE being posted: the worker's posts
+		// pass the gate while the calls with these preemptions run
+		// (a post takes milliseconds).
+		e.r.openPosts(e, true)
+		defer e.r.openPosts(e, false)
 		// handle_preemptions, before the forward (gpu_model_runner).
 		if err := e.work.HandlePreemptions(b.meta); err != nil {
 			e.r.violate("model", "%s: handle_preemptions: %v", e.name, err)

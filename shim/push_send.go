@@ -106,6 +106,10 @@ type pushSender struct {
 	// arrived: base request ids of registrations accepted since the
 	// scheduler last asked (Worker.PushArrivals), bounded by maxPushRegs.
 	arrived []string
+	// deferred: matched, computed pushes whose WRITE was put off while
+	// the agent was busy (busy.go), written by the next poll that finds
+	// it free.
+	deferred []string
 }
 
 func newPushSender() *pushSender {
@@ -239,6 +243,10 @@ func (w *Worker) pushPreemptedLocked(ids []string) {
 // are released if they can be.
 func (w *Worker) fencePushLocked(ps *pushSend) {
 	t0 := time.Now()
+	// WRITEs still queued for the poster are posted here: it cannot take
+	// them while this holds the lock (post.go); one it is posting is
+	// waited for below, as any WRITE in flight.
+	w.postNowLocked(ps.xfers)
 	limit := time.Duration(w.cfg.TransferTimeout * float64(time.Second))
 	dropped := false
 	for {
@@ -388,8 +396,16 @@ func (w *Worker) writeKnownLocked(ps *pushSend) {
 	w.writeLocked(ps, re)
 }
 
-// writeLocked posts the WRITE of ps's blocks into the decode's.
+// writeLocked posts the WRITE of ps's blocks into the decode's (ps is
+// matched and computed, state sendComputing), or puts it off while the
+// agent is busy (busy.go): MakeXfer would wait behind the call holding it.
 func (w *Worker) writeLocked(ps *pushSend, re *remoteEngine) {
+	if w.agentBusyLocked() {
+		if !slices.Contains(w.push.deferred, ps.id) {
+			w.push.deferred = append(w.push.deferred, ps.id)
+		}
+		return
+	}
 	w.touchRemoteLocked(re)
 	fail := func(kind string, err error) {
 		w.stats.RecordFailedTransfer()
@@ -451,17 +467,19 @@ func (w *Worker) writeLocked(ps *pushSend, re *remoteEngine) {
 			fail("transfer_setup_failed", err)
 			return
 		}
-		if _, err := x.Post(); err != nil {
+		now := w.clock()
+		f := &inflight{x: x, posted: now, deadline: now + w.cfg.TransferTimeout, what: fmt.Sprintf("decode tp_rank %d", rr.tp)}
+		// Posted, or queued for the poster (post.go): in flight either
+		// way, its error (if any) handled by its next poll.
+		ps.xfers = append(ps.xfers, f)
+		if err := w.postLocked(f); err != nil {
 			// Whether any byte of it moved is not known: released like
 			// the others (pushFailedLocked) before the decode is told.
-			now := w.clock()
-			ps.xfers = append(ps.xfers, &inflight{x: x, posted: now, deadline: now})
+			f.deadline = now
 			fail("transfer_failed", err)
 			w.dropRemoteOnDisconnect(re, err)
 			return
 		}
-		now := w.clock()
-		ps.xfers = append(ps.xfers, &inflight{x: x, posted: now, deadline: now + w.cfg.TransferTimeout})
 	}
 }
 
@@ -499,6 +517,14 @@ func pairPush(prefill, decode BlockIDs) (BlockIDs, BlockIDs, error) {
 func (w *Worker) pushFailedLocked(ps *pushSend) {
 	kept := ps.xfers[:0]
 	for _, f := range ps.xfers {
+		if f.post != nil && !w.dropQueuedLocked(f) {
+			if f.posting() {
+				// Being posted (post.go): released once Post returned.
+				kept = append(kept, f)
+				continue
+			}
+			f.post = nil // returned; the push failed anyway
+		}
 		if err := f.x.Release(); err != nil {
 			if f.stuck == 0 {
 				f.stuck, f.stuckLogged = w.clock(), w.clock()
@@ -583,7 +609,7 @@ func (w *Worker) pollPushSendLocked(ps *pushSend) {
 	case sendReleasing:
 		ready := false
 		for _, f := range ps.xfers {
-			ready = ready || now >= f.nextTry
+			ready = ready || (!f.posting() && now >= f.nextTry)
 		}
 		if ready {
 			w.pushFailedLocked(ps)
@@ -597,7 +623,21 @@ func (w *Worker) pollPushSendLocked(ps *pushSend) {
 	failed := false
 	var failErr error
 	for _, f := range ps.xfers {
-		status, err := f.x.Check()
+		perr, returned := f.takePostResult()
+		if !returned {
+			// Still being posted (post.go): in flight, neither checked
+			// nor timed out before its Post returned.
+			kept = append(kept, f)
+			continue
+		}
+		var status nixl.Status
+		var err error
+		if perr != nil {
+			// Its Post failed on the poster: as a failed post in place.
+			status, err = nixl.StatusOf(perr), perr
+		} else {
+			status, err = f.x.Check()
+		}
 		switch {
 		case err == nil && status == nixl.Success:
 			if t, ts := f.x.Telemetry(); ts == nixl.Success {

@@ -41,6 +41,10 @@ type inflight struct {
 	posted   float64 // this worker's clock
 	deadline float64
 	slow     bool // "still in flight" was logged
+	// post: its post by the poster (post.go), until its result was taken;
+	// nil for one posted in place. what names it in a failure's log line.
+	post *postState
+	what string
 	// A handle the engine would not release (a READ it cannot cancel):
 	// stuck is when that was first seen, nextTry the next attempt. Its
 	// request is reported failed but not finished receiving until the
@@ -107,8 +111,9 @@ func (w *Worker) readLocked(st *recvState) {
 		w.startHandshakeLocked(rm.EngineID, rm.Host, rm.Port, st.meta.TPSize, st.id)
 		return
 	}
-	if w.engineBusyLocked() {
-		// Another peer's first contact holds the agent: post next time.
+	if w.agentBusyLocked() {
+		// Another peer's first contact, or a post, holds the agent: post
+		// next time.
 		w.deferReadLocked(st)
 		return
 	}
@@ -202,28 +207,41 @@ func (w *Worker) readLocked(st *recvState) {
 			w.failLocked(st, "transfer_setup_failed", fmt.Sprintf("remote tp_rank %d", rr.tp), err)
 			return
 		}
-		if _, err := x.Post(); err != nil {
-			w.stats.RecordFailedTransfer()
-			w.failLocked(st, "transfer_failed", fmt.Sprintf("remote tp_rank %d", rr.tp), err)
-			if rerr := x.Release(); rerr != nil {
-				// Part of the READ may be out and still writing: the
-				// handle, and the request's blocks, are held until it
-				// can be released (as for a READ that timed out).
-				now := w.clock()
-				f := &inflight{x: x, posted: now, deadline: now}
-				w.holdStuckLocked(st, f, now, rerr)
+		now := w.clock()
+		f := &inflight{x: x, posted: now, deadline: now + w.cfg.TransferTimeout, what: fmt.Sprintf("remote tp_rank %d", rr.tp)}
+		if err := w.postLocked(f); err != nil {
+			if w.postFailedLocked(st, f, now, err) {
 				st.xfers = append(st.xfers, f)
 			}
-			w.dropRemoteOnDisconnect(re, err)
 			return
 		}
+		// Posted, or queued for the poster (post.go): in flight either way.
 		read[rr.agent] = true
-		now := w.clock()
-		st.xfers = append(st.xfers, &inflight{x: x, posted: now, deadline: now + w.cfg.TransferTimeout})
+		st.xfers = append(st.xfers, f)
 	}
 	// Ranks handshaken with but not read (MLA's single reader, duplicate
 	// GQA heads) are told now that this decode rank is done with them.
 	w.notifyRanksLocked(st, re, notif, read, "Remote rank will not update request state. This may indicate network issues.")
+}
+
+// postFailedLocked fails st for its READ f whose Post failed (in place, or
+// on the poster: reported at the next poll) and releases the handle. Part
+// of the READ may be out and still writing when the release is refused:
+// the handle, and the request's blocks, are then held until it can be
+// released (as for a READ that timed out): kept is true, and the caller
+// keeps f in st.xfers.
+func (w *Worker) postFailedLocked(st *recvState, f *inflight, now float64, err error) (kept bool) {
+	w.stats.RecordFailedTransfer()
+	w.failLocked(st, "transfer_failed", f.what, err)
+	if rerr := f.x.Release(); rerr != nil {
+		f.deadline = now
+		w.holdStuckLocked(st, f, now, rerr)
+		kept = true
+	}
+	if st.remote != nil {
+		w.dropRemoteOnDisconnect(st.remote, err)
+	}
+	return kept
 }
 
 // consumeRemoteLocked remembers that this worker read (or told the remote
@@ -546,6 +564,19 @@ func (w *Worker) pollTransfersLocked() {
 			if f.stuck > 0 {
 				// Already failed; only the handle is left to release.
 				if !w.retryStuckLocked(st, f, now) {
+					kept = append(kept, f)
+				}
+				continue
+			}
+			perr, returned := f.takePostResult()
+			if !returned {
+				// Still being posted (post.go): in flight, never released
+				// or timed out before its Post returned.
+				kept = append(kept, f)
+				continue
+			}
+			if perr != nil {
+				if w.postFailedLocked(st, f, now, perr) {
 					kept = append(kept, f)
 				}
 				continue

@@ -119,6 +119,15 @@ type Worker struct {
 	push       *pushSender
 	lastPoll   time.Time // GetFinished's last call (pollgap.go)
 	lockHolder string    // the last section that took mu through lockTimed
+
+	// Posting from a goroutine (post.go): the posts waiting for the
+	// poster, whether it runs and its end, the batch it posts, and how
+	// many of its posts have not returned (read without mu).
+	postQueue    []*postState
+	posterOn     bool
+	posterDone   chan struct{}
+	postBatch    []*postState
+	postsRunning atomic.Int32
 }
 
 // NewWorker validates cfg and creates the worker side. clock may be nil.
@@ -326,7 +335,7 @@ func (w *Worker) StartLoadKV(metaBytes []byte) error {
 	w.pushEarlyLocked(m)
 	w.pushFinishedLocked(m)
 	w.pushAbortedLocked(m.PushAborted)
-	if !w.engineBusyLocked() {
+	if !w.agentBusyLocked() {
 		// Put off with the polls (busy.go); the next heartbeat is one
 		// interval away, well inside the leases it extends.
 		w.sendHeartbeatsLocked(m.Heartbeats)
@@ -367,7 +376,7 @@ func (w *Worker) Poll() Finished {
 	defer w.lockTimed("get_finished")()
 	defer w.publishLocked(false)
 	w.notePollLocked()
-	if w.agent != nil && !w.engineBusyLocked() {
+	if w.agent != nil && !w.agentBusyLocked() {
 		w.postDeferredLocked()
 		// After the step's forward (vLLM calls get_finished then): the
 		// early pushes its start_load_kv announced are computed.
@@ -445,6 +454,9 @@ func (w *Worker) Close() error {
 		return nil
 	}
 	w.closed = true
+	// No handle is released under a post (post.go): the poster ends
+	// after its batch.
+	w.waitPosterForClose()
 	if w.evictTimer != nil {
 		w.evictTimer.Stop()
 	}
