@@ -4,7 +4,8 @@
 # through each (docs/BENCHMARKS.md "vLLM's stock NixlConnector vs gonixl" and
 # "Push vs pull").
 #
-#   bench/run_vllm_bench.sh connector   # stock NixlConnector, gonixl (nixl engine), gonixl (ucx engine)
+#   bench/run_vllm_bench.sh connector   # stock NixlConnector, gonixl (nixl engine, posting off and on
+#                                       # vLLM's thread), gonixl (ucx engine)
 #   bench/run_vllm_bench.sh push        # gonixl pull, gonixl push, stock pull, stock push
 #
 # Every instance loads its connector through bench/timed_connector.py (the
@@ -31,7 +32,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/../tests/e2e/lib.sh"
 
 case "$SET" in
   connector)
-    order=("stock stock nixl pull" "gonixl-nixl go nixl pull" "gonixl-ucx go ucx pull")
+    order=("stock stock nixl pull" "gonixl-nixl go nixl pull" "gonixl-nixl-inplace go nixl/inplace pull" "gonixl-ucx go ucx pull")
     CONC=${GONIXL_BENCH_CONCURRENCY:-1,8,32}
     OUT="${GONIXL_BENCH_OUT:-$ROOT/docs/data/connector-vs-stock}" ;;
   push)
@@ -66,12 +67,15 @@ stop_all() {
   PIDS=()
 }
 
-# kv_config IMPL ENGINE MODE ROLE: the timed class of the connector.
+# kv_config IMPL ENGINE MODE ROLE: the timed class of the connector. ENGINE
+# nixl/inplace is the nixl engine posting on vLLM's thread
+# (post_off_model_thread false: the copy in start_load_kv, as stock does).
 kv_config() {
-  local impl=$1 engine=$2 mode=$3 role=$4 cls
+  local impl=$1 engine=$2 mode=$3 role=$4 cls extra=""
+  if [ "$engine" = nixl/inplace ]; then engine=nixl; extra=',"post_off_model_thread":false'; fi
   if [ "$impl" = go ]; then
     [ "$mode" = push ] && cls=TimedGoNixlPushConnector || cls=TimedGoNixlConnector
-    printf '{"kv_connector":"%s","kv_connector_module_path":"timed_connector","kv_role":"%s","kv_connector_extra_config":{"transfer_engine":"%s","kv_lease_duration":120}}' "$cls" "$role" "$engine"
+    printf '{"kv_connector":"%s","kv_connector_module_path":"timed_connector","kv_role":"%s","kv_connector_extra_config":{"transfer_engine":"%s","kv_lease_duration":120%s}}' "$cls" "$role" "$engine" "$extra"
   else
     [ "$mode" = push ] && cls=TimedNixlPushConnector || cls=TimedNixlConnector
     printf '{"kv_connector":"%s","kv_connector_module_path":"timed_connector","kv_role":"%s","kv_buffer_device":"cpu"}' "$cls" "$role"

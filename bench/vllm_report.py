@@ -75,6 +75,8 @@ class Case:
         self.handoff: list[float] = []
         self.kv_ready: list[float] = []
         self.step: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        # Per step, the seconds of each wrapped method (the step record's "m").
+        self.step_m: dict[tuple[str, str], list[dict[str, float]]] = collections.defaultdict(list)
         self.metrics: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
         self.unmatched = 0
         self.errors: list[str] = []
@@ -109,7 +111,9 @@ def collect(runs: dict[str, list[dict]]) -> dict[tuple[str, int, int], Case]:
                     if "ready" in d and "arr" in d:
                         cs.kv_ready.append(d["ready"] - d["arr"])
                 for (inst, role), recs in rnd["steps"].items():
-                    cs.step[(inst, role)].extend(s["s"] for s in recs if c["start"] <= s["t"] <= c["end"])
+                    inwin = [s for s in recs if c["start"] <= s["t"] <= c["end"]]
+                    cs.step[(inst, role)].extend(s["s"] for s in inwin)
+                    cs.step_m[(inst, role)].extend(s.get("m", {}) for s in inwin)
                 for inst, m in c.get("metrics", {}).items():
                     for mk, v in m.items():
                         cs.metrics[inst][mk] += v
@@ -197,6 +201,43 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
                 row.append("")
             rows.append(row)
     out.append(table(rows, ["prompt", "conc", "deployment", "P scheduler", "P worker", "D scheduler", "D worker", f"D sched / worker mean ÷ {base}"]))
+    out += ["", f"**Per-step targets** (median and p99 of connector time per step, each ÷ {base}'s in the same case; "
+            "issue 34 asks for medians ≤ 0.5 and p99s ≤ 1):", ""]
+    rows = []
+    sides = (("prefill", "scheduler"), ("prefill", "worker"), ("decode", "scheduler"), ("decode", "worker"))
+    for n, c in keys:
+        bs = cases.get((base, n, c))
+        for l in labels:
+            cs = cases.get((l, n, c))
+            if cs is None or bs is None or l == base:
+                continue
+            rows.append([str(n), str(c), l] + [
+                f"{_ratio(pct(cs.step.get(sd, []), 0.5), pct(bs.step.get(sd, []), 0.5))} / "
+                f"{_ratio(pct(cs.step.get(sd, []), 0.99), pct(bs.step.get(sd, []), 0.99))}" for sd in sides])
+    out.append(table(rows, ["prompt", "conc", "deployment", "P scheduler p50 / p99", "P worker", "D scheduler", "D worker"]))
+    out += ["", "**Where the slowest steps go** (steps at or above the p99 of their side: how many, the longest, and "
+            "the methods that took most of their time):", ""]
+    rows = []
+    for n, c in keys:
+        for l in labels:
+            cs = cases.get((l, n, c))
+            if cs is None:
+                continue
+            for sd in sides:
+                xs, ms_ = cs.step.get(sd, []), cs.step_m.get(sd, [])
+                if len(xs) < 20 or len(ms_) != len(xs):
+                    continue
+                cut = pct(xs, 0.99)
+                slow = [(x, m) for x, m in zip(xs, ms_) if x >= cut]
+                by: dict[str, float] = collections.defaultdict(float)
+                for _, m in slow:
+                    for k, v in m.items():
+                        by[k] += v
+                tot = sum(x for x, _ in slow) or 1.0
+                top = sorted(by.items(), key=lambda kv: -kv[1])[:2]
+                rows.append([str(n), str(c), l, f"{sd[0]} {sd[1]}", str(len(slow)), us(max(x for x, _ in slow)),
+                             ", ".join(f"{k} {v / tot:.0%}" for k, v in top)])
+    out.append(table(rows, ["prompt", "conc", "deployment", "side", "steps", "longest µs", "methods (share of their time)"]))
     out += ["", "**Connector time per request** (µs: all time inside the connector on both instances during the "
             "case, scheduler and worker sides, divided by the case's requests; a stock decode steps its engine "
             "many more times while it waits for KV, so per step and per request tell different stories):", ""]
