@@ -367,7 +367,7 @@ func (w *Worker) HandlePreemptions(metaBytes []byte) error {
 // gonixl_worker_get_finished returns every engine step.
 func (w *Worker) GetFinished() ([]byte, error) {
 	f := w.Poll()
-	return kvwire.AppendFinished(make([]byte, 0, 64), &f), nil
+	return kvwire.AppendFinished(make([]byte, 0, kvwire.FinishedSize(&f)), &f), nil
 }
 
 // Poll polls transfers and notifications, sweeps expired leases and

@@ -106,6 +106,24 @@ func AppendFinished(dst []byte, f *Finished) []byte {
 	return dst
 }
 
+// FinishedSize is the length of f's binary form: a buffer of that
+// capacity takes AppendFinished without growing.
+func FinishedSize(f *Finished) int {
+	n := 24
+	for _, ids := range [][]string{f.Sending, f.Recving, f.Failed} {
+		for _, id := range ids {
+			n += 4 + len(id)
+		}
+	}
+	for id, groups := range f.Reshape {
+		n += 8 + len(id)
+		for _, g := range groups {
+			n += 12 + 8*len(g.Blocks)
+		}
+	}
+	return n
+}
+
 var errFinishedShort = errors.New("finished: truncated")
 
 // DecodeFinished reads AppendFinished's form (tests and tools; the Python

@@ -14,6 +14,9 @@ func TestFinishedRoundTrip(t *testing.T) {
 			Reshape: map[string][]BlockReshape{"r": {{Ratio: 2, Blocks: []int64{5, 1 << 40}, Covered: 3}, {Ratio: 4, Blocks: []int64{}, Covered: 0}}}},
 	} {
 		b := AppendFinished(nil, f)
+		if n := FinishedSize(f); n != len(b) {
+			t.Fatalf("FinishedSize %d, binary form %d bytes", n, len(b))
+		}
 		if f.Empty() && len(b) != 24 {
 			t.Fatalf("an empty step is %d bytes", len(b))
 		}
@@ -37,6 +40,9 @@ func FuzzDecodeFinished(f *testing.F) {
 		got, err := DecodeFinished(b)
 		if err != nil {
 			return
+		}
+		if n := FinishedSize(got); n != len(b) {
+			t.Fatalf("FinishedSize %d of an accepted %d-byte form", n, len(b))
 		}
 		if again := AppendFinished(nil, got); string(again) != string(b) {
 			t.Fatalf("accepted %x, re-encoded %x", b, again)
