@@ -255,6 +255,17 @@ func gonixl_scheduler_build_meta(h C.gonixl_scheduler_t, buf *C.char, lenp *C.si
 	})
 }
 
+//export gonixl_scheduler_idle_for
+func gonixl_scheduler_idle_for(h C.gonixl_scheduler_t, out *C.double, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
+		if out == nil {
+			return errorf(statusNullPointer, "out pointer is NULL")
+		}
+		*out = C.double(s.IdleFor())
+		return nil
+	})
+}
+
 //export gonixl_scheduler_request_finished
 func gonixl_scheduler_request_finished(h C.gonixl_scheduler_t, reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t,
 	finishedNormally C.int32_t, numComputed C.int64_t, ids *C.int64_t, nids C.int64_t, lens *C.int64_t, ngroups C.int64_t,

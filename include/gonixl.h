@@ -39,7 +39,7 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change to this header. */
-#define GONIXL_ABI_VERSION 2
+#define GONIXL_ABI_VERSION 3
 
 /* Status codes. Append-only: never renumber. */
 typedef int32_t gonixl_status_t;
@@ -124,11 +124,18 @@ gonixl_status_t gonixl_scheduler_update_state_after_alloc(gonixl_scheduler_t h,
 
 /* build_connector_meta: this step's metadata for the workers (opaque bytes).
  * Size-negotiated; a result that did not fit is kept for the retry. Zero
- * bytes: an idle step (no work, no timer pending): the workers have nothing
- * to do (gonixl_worker_start_load_kv with meta_len 0 returns OK at once), and
- * until another gonixl_scheduler_* call every later step is idle too. */
+ * bytes: an idle step (no work, no timer due): the workers have nothing to
+ * do (gonixl_worker_start_load_kv with meta_len 0 returns OK at once), and
+ * until another gonixl_scheduler_* call every later step is idle too, for
+ * gonixl_scheduler_idle_for's seconds. */
 gonixl_status_t gonixl_scheduler_build_meta(gonixl_scheduler_t h, char *buf, size_t *len,
                                             gonixl_error_t *err);
+
+/* idle_for: after build_meta answered zero bytes, *out is how many seconds
+ * later steps stay idle unless another gonixl_scheduler_* call is made (the
+ * next heartbeat to a prefill holding blocks for this decode); -1 when
+ * nothing is timed (idle until another call), 0 when there is work now. */
+gonixl_status_t gonixl_scheduler_idle_for(gonixl_scheduler_t h, double *out, gonixl_error_t *err);
 
 /* request_finished: *out_delay is 1 when the blocks must be held for a remote
  * reader; the kv_transfer_params for the request's output are written as JSON

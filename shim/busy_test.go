@@ -115,7 +115,7 @@ func TestPollsAndPostsWaitOutAControlCall(t *testing.T) {
 }
 
 // The C ABI's build_meta answers nil for an idle step, and only then: a
-// step with work, or while a heartbeat is scheduled, gets real metadata.
+// step with work, or with a heartbeat due, gets real metadata.
 func TestBuildMetaOrIdle(t *testing.T) {
 	eng := nixltest.NewEngine("t")
 	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
@@ -144,7 +144,9 @@ func TestBuildMetaOrIdle(t *testing.T) {
 	idle(p, true, "prefill after handing req-1 to its worker")
 	dp := mustParams(t, string(out))
 	d.sched.OnNewRequest("req-a", dp)
-	idle(d, false, "decode with a heartbeat scheduled for req-a")
+	// A heartbeat scheduled but not due (this scheduler's clock started
+	// less than one interval ago) is no work for this step.
+	idle(d, true, "decode with a heartbeat scheduled for req-a, not due")
 	d.sched.GetNumNewMatchedTokens(dp, 12, 0)
 	if _, err := d.sched.UpdateStateAfterAlloc("req-a", dp, BlockIDs{{4, 5, 6}}, []int64{0}, 12); err != nil {
 		t.Fatal(err)
@@ -162,4 +164,68 @@ func TestBuildMetaOrIdle(t *testing.T) {
 	idle(d, true, "decode after req-a")
 	p.waitFinished(t, "req-1 sent", func(f Finished) bool { return contains(f.Sending, "req-1") })
 	p.sched.UpdateConnectorOutput(nil)
+}
+
+// A decode whose only pending work is heartbeats is idle between them:
+// build_meta answers nil until the next one is due, IdleFor says when, and
+// the step at that time carries the heartbeat. Nothing timed: -1.
+func TestBuildMetaOrIdleBetweenHeartbeats(t *testing.T) {
+	eng := nixltest.NewEngine("t")
+	clock := NewFakeClock(1000)
+	lease := map[string]any{"kv_lease_duration": 60} // heartbeats every 10 s
+	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, lease)
+	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, lease)
+	if got := d.sched.IdleFor(); got != -1 {
+		t.Fatalf("fresh decode: IdleFor %v, want -1", got)
+	}
+	out := prefill(t, p, "req-1", []int64{1, 2, 3}, 12)
+	dp := mustParams(t, string(out))
+	d.sched.OnNewRequest("req-a", dp) // waiting for blocks: heartbeats keep req-1's lease
+	meta := func(when string) *StepMeta {
+		t.Helper()
+		b, err := d.sched.BuildMetaOrIdle()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b == nil {
+			return nil
+		}
+		m, err := DecodeStepMeta(b)
+		if err != nil {
+			t.Fatalf("%s: %v", when, err)
+		}
+		return m
+	}
+	if m := meta("first step"); m == nil || len(m.Heartbeats) != 1 {
+		t.Fatalf("first step: %+v, want one heartbeat", m)
+	}
+	at := 0.0
+	for _, dt := range []float64{0, 4, 9.5} {
+		clock.Advance(dt - at)
+		at = dt
+		if m := meta("between heartbeats"); m != nil {
+			t.Fatalf("%v s after a heartbeat: metadata %+v, want an idle step", dt, m)
+		}
+		if got, want := d.sched.IdleFor(), 10-dt; got < want-1e-9 || got > want+1e-9 {
+			t.Fatalf("%v s after a heartbeat: IdleFor %v, want %v", dt, got, want)
+		}
+	}
+	clock.Advance(10 - at)
+	if got := d.sched.IdleFor(); got != 0 {
+		t.Fatalf("heartbeat due: IdleFor %v, want 0", got)
+	}
+	if m := meta("heartbeat due"); m == nil || len(m.Heartbeats) != 1 || len(m.Heartbeats["engine-p"].ReqIDs) != 1 {
+		t.Fatalf("heartbeat due: %+v, want req-1's heartbeat", m)
+	}
+	// New work is never held back by the heartbeat timer.
+	d.sched.GetNumNewMatchedTokens(dp, 12, 0)
+	if _, err := d.sched.UpdateStateAfterAlloc("req-a", dp, BlockIDs{{4, 5, 6}}, []int64{0}, 12); err != nil {
+		t.Fatal(err)
+	}
+	if d.sched.IdleFor() != 0 {
+		t.Fatal("IdleFor with a read to hand to the worker")
+	}
+	if m := meta("read scheduled"); m == nil || len(m.ReqsToRecv) != 1 {
+		t.Fatalf("read scheduled: %+v, want req-a to receive", m)
+	}
 }

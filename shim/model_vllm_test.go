@@ -822,7 +822,8 @@ type pyConn struct {
 	pushRegistering map[string]bool
 	pushRegistered  map[string]bool
 	pushUnreceived  map[string]float64
-	dirty           bool // _sched_dirty
+	dirty           bool    // _sched_dirty
+	due             float64 // _sched_due (the model's clock; 0 for none)
 	loadErrPending  bool
 	fenceNext       bool // _fence_next: the next step's metadata needs handle_preemptions
 }
@@ -1089,13 +1090,19 @@ func (c *pyConn) buildConnectorMeta(out []schedReq, preempted []string) []byte {
 		c.pushPromptsDone(out)
 	}
 	var data []byte
-	if c.dirty {
+	if now := c.e.r.clock.Now(); c.dirty || (c.due != 0 && now >= c.due) {
 		b, err := c.sched.BuildMetaOrIdle()
 		if err != nil {
 			c.e.r.violate("model", "%s: build_meta: %v", c.e.name, err)
 		}
 		data = b
 		c.dirty = data != nil
+		c.due = 0
+		if data == nil {
+			if wait := c.sched.IdleFor(); wait >= 0 {
+				c.due = now + wait
+			}
+		}
 	}
 	clear(c.pushRegistering)
 	return data

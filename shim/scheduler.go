@@ -378,15 +378,47 @@ func (s *Scheduler) BuildMeta() ([]byte, error) {
 // own next ones until it makes such a call: an idle engine step then costs
 // no call into the library (bench/timed_connector.py measured 40-50 µs per
 // call inside vLLM's engine process, cold caches, against 1 µs here).
+//
+// A step whose only pending work is a heartbeat not yet due is idle too: its
+// metadata would carry nothing but the clock (a decode holding requests
+// whose blocks a prefill keeps for it sent one every step). IdleFor says
+// when the heartbeat is due.
 func (s *Scheduler) BuildMetaOrIdle() ([]byte, error) {
 	s.mu.Lock()
-	idle := len(s.reqsNeedRecv) == 0 && len(s.reqsNeedSend) == 0 && len(s.reqsInBatch) == 0 && len(s.reqsNotProcessed) == 0 &&
-		s.pushs.idle() && len(s.hbByEngine) == 0
+	idle := s.noWorkLocked() && !s.heartbeatDueLocked(s.clock())
 	s.mu.Unlock()
 	if idle {
 		return nil, nil
 	}
 	return s.BuildMeta()
+}
+
+// noWorkLocked: nothing for the workers but, maybe, heartbeats.
+func (s *Scheduler) noWorkLocked() bool {
+	return len(s.reqsNeedRecv) == 0 && len(s.reqsNeedSend) == 0 && len(s.reqsInBatch) == 0 && len(s.reqsNotProcessed) == 0 &&
+		s.pushs.idle()
+}
+
+// heartbeatDueLocked: a heartbeat goes with the metadata built at now.
+func (s *Scheduler) heartbeatDueLocked(now float64) bool {
+	return len(s.hbByEngine) > 0 && now-s.lastHeartbeat >= s.hbInterval
+}
+
+// IdleFor is, after BuildMetaOrIdle answered an idle step, how many seconds
+// the scheduler stays idle unless one of its other calls is made: until the
+// next heartbeat is due, 0 when there is work now, and -1 when nothing is
+// timed (idle until another call).
+func (s *Scheduler) IdleFor() float64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.clock()
+	switch {
+	case !s.noWorkLocked() || s.heartbeatDueLocked(now):
+		return 0
+	case len(s.hbByEngine) == 0:
+		return -1
+	}
+	return s.lastHeartbeat + s.hbInterval - now
 }
 
 // RequestFinished decides whether a finished request's blocks are freed now

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from . import errors
 
 #: Must equal GONIXL_ABI_VERSION in include/gonixl.h.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 ERROR_MESSAGE_SIZE = 512
 
@@ -87,6 +87,8 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     # gonixl_status_t gonixl_scheduler_build_meta(gonixl_scheduler_t h, char *buf, size_t *len,
     #     gonixl_error_t *err);
     ("gonixl_scheduler_build_meta", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_scheduler_idle_for(gonixl_scheduler_t h, double *out, gonixl_error_t *err);
+    ("gonixl_scheduler_idle_for", status_t, [handle_t, ctypes.POINTER(ctypes.c_double), error_p]),
     # gonixl_status_t gonixl_scheduler_request_finished(gonixl_scheduler_t h,
     #     char *req_id, size_t req_id_len, char *params_json, size_t params_len,
     #     int32_t finished_normally, int64_t num_computed_tokens,
@@ -197,6 +199,7 @@ HOT = frozenset(
         "gonixl_scheduler_get_num_new_matched_tokens",
         "gonixl_scheduler_update_state_after_alloc",
         "gonixl_scheduler_build_meta",
+        "gonixl_scheduler_idle_for",
         "gonixl_scheduler_request_finished",
         "gonixl_scheduler_push_prompt_done",
         "gonixl_scheduler_push_preempted",

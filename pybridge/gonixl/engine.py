@@ -269,8 +269,17 @@ class Scheduler:
 
     def build_meta(self) -> bytes:
         """This step's metadata for the workers; b"" for an idle step (no
-        work, no timer pending; idle until another scheduler call)."""
+        work, no timer due; idle until another scheduler call, for
+        idle_for() seconds)."""
         return _lib.call_bytes("gonixl_scheduler_build_meta", self.handle)
+
+    def idle_for(self) -> float:
+        """After build_meta answered b"": seconds the next steps stay idle
+        unless another scheduler call is made (a heartbeat's due time); -1
+        when nothing is timed, 0 when there is work now."""
+        out = ctypes.c_double(0.0)
+        _lib.call("gonixl_scheduler_idle_for", self.handle, ctypes.byref(out))
+        return out.value
 
     def update_connector_output(self, finished_recving: Iterable[str]) -> None:
         j = _ids_json(finished_recving)

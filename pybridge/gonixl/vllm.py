@@ -492,8 +492,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # Calls skipped while they have nothing to do: the scheduler's
         # build_meta until a scheduler call changes its state (an idle step),
         # the worker's load errors and stats until get_finished says there
-        # are some. True until the library has answered once.
+        # are some. True until the library has answered once. _sched_due:
+        # when (time.monotonic) an idle scheduler's next timer is due
+        # (idle_for), None for none.
         self._sched_dirty = True
+        self._sched_due: Optional[float] = None
         self._load_errors_pending = True
         self._stats_pending = True
         # The worker's idle state (gonixl_worker_state), the change counter
@@ -807,13 +810,21 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if self._push_early_seen:
             self._push_preempted(scheduler_output)
         push_early = bool(self._push_early) and self._push_prompts_done(scheduler_output)
-        if self._sched_dirty:
+        if self._sched_dirty or (self._sched_due is not None and time.monotonic() >= self._sched_due):
             # The library answers b"" for an idle step (no work, no timer
-            # pending), which stays idle until one of the calls that set
-            # _sched_dirty: until then no call is made (an idle engine step
-            # costs no call into the library; the worker skips its own).
-            data = self._scheduler().build_meta()
+            # due), which stays idle until one of the calls that set
+            # _sched_dirty, or until the timer idle_for() names (a decode's
+            # next heartbeat to the prefills holding its blocks): until
+            # then no call is made (an idle engine step costs no call into
+            # the library; the worker skips its own).
+            sched = self._scheduler()
+            data = sched.build_meta()
             self._sched_dirty = bool(data)
+            self._sched_due = None
+            if not data:
+                wait = sched.idle_for()
+                if wait >= 0:
+                    self._sched_due = time.monotonic() + wait
         else:
             data = b""
         self._push_registering.clear()  # handed to the worker with this step

@@ -1166,3 +1166,48 @@ def _idle_steps(p, d, monkeypatch):
     assert "gonixl_worker_get_finished" in calls and "gonixl_scheduler_build_meta" in calls
     assert_blocks_copied(p, d, pre.block_ids, dr.new_blocks, before)
     finish_decode(d, dr)
+
+
+def test_steps_between_heartbeats_make_no_call(connector_cls, dist_env, monkeypatch):
+    """A decode whose only pending work is a heartbeat to the prefill holding
+    blocks for it (a request queued behind others): the steps between two
+    heartbeats make no call into the library, and the step at the next
+    heartbeat's due time makes one that carries it (issue: per-step cost).
+    Heartbeats every kv_lease_duration // 6 = 1 s here."""
+    extra = {"transfer_engine": "ucx", "kv_lease_duration": 6}
+    p = h.Engine(connector_cls, "kv_producer", "engine-hb-p", P_BLOCKS, extra=extra)
+    d = h.Engine(connector_cls, "kv_consumer", "engine-hb-d", D_BLOCKS, extra=extra)
+    try:
+        pre = h.prefill(p, "hb1", 40, seed=3)
+        d.add_request(d.request("hb-d", 40, copy.deepcopy(pre.params), max_tokens=4))
+        from gonixl import _lib
+
+        sizes: list[tuple[str, int]] = []
+        real = _lib.call_bytes
+
+        def counting(name, *args, **kw):
+            out = real(name, *args, **kw)
+            sizes.append((name, len(out)))
+            return out
+
+        monkeypatch.setattr(_lib, "call_bytes", counting)
+        # Until a heartbeat has gone out and the step after it found nothing
+        # to do (its idle_for names the next one).
+        deadline = time.monotonic() + 10
+        while not (len(sizes) >= 2 and sizes[-2][1] > 0 and sizes[-1] == ("gonixl_scheduler_build_meta", 0)):
+            assert time.monotonic() < deadline, f"no heartbeat, then an idle step: {sizes}"
+            h.run_steps([d], 1)
+            time.sleep(0.05)
+        t_idle = time.monotonic()
+        sizes.clear()
+        h.run_steps([d], 20)
+        if time.monotonic() - t_idle < 0.9:  # all before the next heartbeat
+            assert sizes == [], f"steps between heartbeats called into the library: {sizes}"
+        time.sleep(max(0.0, t_idle + 1.1 - time.monotonic()))
+        h.run_steps([d], 1)
+        assert sizes and sizes[0][0] == "gonixl_scheduler_build_meta" and sizes[0][1] > 0, (
+            f"the step at the heartbeat's due time made no call, or one without the heartbeat: {sizes}"
+        )
+    finally:
+        d.shutdown()
+        p.shutdown()
