@@ -51,6 +51,7 @@ i64 = ctypes.c_int64
 i32 = ctypes.c_int32
 i64_p = ctypes.POINTER(ctypes.c_int64)
 i32_p = ctypes.POINTER(ctypes.c_int32)
+f64_p = ctypes.POINTER(ctypes.c_double)
 handle_p = ctypes.POINTER(handle_t)
 buf = ctypes.c_char_p
 size = ctypes.c_size_t
@@ -88,7 +89,7 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     #     gonixl_error_t *err);
     ("gonixl_scheduler_build_meta", status_t, [handle_t, buf, size_p, error_p]),
     # gonixl_status_t gonixl_scheduler_idle_for(gonixl_scheduler_t h, double *out, gonixl_error_t *err);
-    ("gonixl_scheduler_idle_for", status_t, [handle_t, ctypes.POINTER(ctypes.c_double), error_p]),
+    ("gonixl_scheduler_idle_for", status_t, [handle_t, f64_p, error_p]),
     # gonixl_status_t gonixl_scheduler_request_finished(gonixl_scheduler_t h,
     #     char *req_id, size_t req_id_len, char *params_json, size_t params_len,
     #     int32_t finished_normally, int64_t num_computed_tokens,
