@@ -141,7 +141,9 @@ type Config struct {
 	// decode request sent all the same, so that the decode's connector
 	// takes the prompt's blocks or, once cancelled, tells the prefill to
 	// free them: a prefill whose decode never hears of the request holds
-	// the blocks until their lease ends.
+	// the blocks until their lease ends. Not in push mode, which cancels at
+	// once: a push decode aborted before it had blocks cannot tell the
+	// prefill to drop a computed prompt.
 	AbandonGrace time.Duration
 
 	// Push: the instances run vLLM's push connector (NixlPushConnector or

@@ -311,13 +311,20 @@ func (p *Proxy) send(ctx context.Context, ex *exchange, inst Instance, body []by
 var errClientGone = errors.New("the client went away")
 
 // upstreamContext is the context of one upstream request of ex. It ends
-// Config.AbandonGrace after the client went away, counted from the call when
+// Config.AbandonGrace after the client went away (at once in push mode), counted from the call when
 // the client has already gone (so a request sent then still reaches vLLM's
 // engine, whose connector then gives the prompt's blocks back through its
 // own abort path), or at once when ex.abort ends. The caller calls cancel.
 func (p *Proxy) upstreamContext(ex *exchange) (context.Context, context.CancelCauseFunc) {
 	ctx, cancel := context.WithCancelCause(context.WithoutCancel(ex.r.Context()))
 	grace := p.cfg.AbandonGrace
+	if p.cfg.Push {
+		// A push decode aborted before vLLM gave it blocks has registered
+		// nothing and cannot tell the prefill to drop a computed prompt
+		// (nor can vLLM's): outliving the client would only let more
+		// prefills compute and hold prompts until their lease.
+		grace = NoAbandonGrace
+	}
 	stopClient := context.AfterFunc(ex.r.Context(), func() {
 		if grace <= 0 {
 			cancel(errClientGone)

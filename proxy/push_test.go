@@ -233,3 +233,50 @@ func TestPushClientGoneKeepsIdentity(t *testing.T) {
 		t.Fatal("a client that went away made the proxy forget the prefill's identity")
 	}
 }
+
+// Push mode does not outlive a client that went away: a push decode aborted
+// before vLLM gave it blocks cannot tell the prefill to drop a computed
+// prompt, so both requests are cancelled at once, whatever AbandonGrace.
+func TestPushClientGoneCancelsAtOnce(t *testing.T) {
+	var gated atomic.Bool
+	canceled := make(chan time.Time, 4)
+	decodeIn := make(chan struct{}, 4)
+	pf := newFake(t, "p", pushPrefillHandler("p", nil, nil))
+	df := newFake(t, "d", func(w http.ResponseWriter, r *http.Request, rec received) {
+		if !gated.Load() {
+			decodeHandler("d", false)(w, r, rec)
+			return
+		}
+		decodeIn <- struct{}{}
+		<-r.Context().Done()
+		canceled <- time.Now()
+	})
+	rg := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Push = true; c.AbandonGrace = 5 * time.Second })
+	if code, _, body := rg.post("/v1/completions", map[string]any{"model": "m", "prompt": "hi"}, nil); code != 200 {
+		t.Fatalf("first: %d %s", code, body)
+	}
+	gated.Store(true)
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, rg.srv.URL+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"hi"}`))
+	req.Header.Set("Content-Type", "application/json")
+	go func() {
+		if resp, err := rg.srv.Client().Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	select {
+	case <-decodeIn:
+	case <-time.After(waitLimit):
+		t.Fatal("the decode never got the request")
+	}
+	left := time.Now()
+	cancel()
+	select {
+	case at := <-canceled:
+		if d := at.Sub(left); d > 2*time.Second {
+			t.Fatalf("push decode cancelled %v after the client left; want at once, not after the 5 s grace", d)
+		}
+	case <-time.After(waitLimit):
+		t.Fatal("push decode never cancelled")
+	}
+}

@@ -47,7 +47,7 @@ var optSpecs = []optSpec{
 	{[]string{"--state-key-prefix"}, one, []string{"gonixl:conv:"}, "multi-turn: prefix of the state store's keys (proxies that share conversations use the same prefix and database)"},
 	{[]string{"--connect-timeout"}, one, []string{"5"}, "seconds to wait for an upstream TCP connection"},
 	{[]string{"--upstream-timeout"}, one, []string{"300"}, "seconds to wait for an upstream's response headers, a whole prefill, or the next chunk of a decode stream"},
-	{[]string{"--abandon-grace"}, one, []string{"2"}, "seconds an upstream request outlives a client that went away, so that the decode's connector frees the prefill's blocks at once (0: cancel at once)"},
+	{[]string{"--abandon-grace"}, one, []string{"2"}, "seconds an upstream request outlives a client that went away, so that the decode's connector frees the prefill's blocks at once (0: cancel at once; --push always cancels at once)"},
 	{[]string{"--upstream-idle-timeout"}, one, []string{"4"}, "seconds an idle upstream connection is kept for reuse; keep below vLLM's keep-alive timeout (5 s)"},
 	{[]string{"--push"}, flagOnly, nil, "instances with vLLM's push connector (NixlPushConnector / GoNixlPushConnector): after a prefill's first answer, send its requests and the decode's at once, tied by one X-Request-Id (toy mode, or --multiturn with --reuse-mode oneway)"},
 	{[]string{"--forward-client-kv-params"}, flagOnly, nil, "let a client's own kv_transfer_params reach a decode instance when the prefill returns none (off: clients cannot point a decode at remote engines or blocks)"},
