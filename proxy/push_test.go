@@ -183,53 +183,82 @@ func mustJSON(v any) []byte {
 	return b
 }
 
+// gatedPush is a push rig whose decode answers normally until gated is set,
+// then holds each request until it is cancelled: it signals decodeIn on
+// arrival and sends the cancellation's time on canceled. The prefill's
+// identity is learned by one request before it returns.
+type gatedPush struct {
+	rg       *rig
+	pf       *fakeOpenAI
+	gated    atomic.Bool
+	decodeIn chan struct{}
+	canceled chan time.Time
+}
+
+func newGatedPush(t *testing.T, mod func(*Config)) *gatedPush {
+	t.Helper()
+	g := &gatedPush{decodeIn: make(chan struct{}, 4), canceled: make(chan time.Time, 4)}
+	g.pf = newFake(t, "p", pushPrefillHandler("p", nil, nil))
+	df := newFake(t, "d", func(w http.ResponseWriter, r *http.Request, rec received) {
+		if !g.gated.Load() {
+			decodeHandler("d", false)(w, r, rec)
+			return
+		}
+		g.decodeIn <- struct{}{}
+		<-r.Context().Done()
+		g.canceled <- time.Now()
+	})
+	g.rg = newRig(t, []*fakeOpenAI{g.pf}, []*fakeOpenAI{df}, func(c *Config) { c.Push = true; mod(c) })
+	if code, _, body := g.rg.post("/v1/completions", map[string]any{"model": "m", "prompt": "hi"}, nil); code != 200 {
+		t.Fatalf("first: %d %s", code, body)
+	}
+	g.gated.Store(true)
+	return g
+}
+
+// clientLeaves sends a request, waits for the decode to hold it, and cancels
+// the client; it returns when the cancel was made, with the client's
+// outcome on the channel.
+func (g *gatedPush) clientLeaves(t *testing.T) (left time.Time, errc <-chan error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, g.rg.srv.URL+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"hi"}`))
+	req.Header.Set("Content-Type", "application/json")
+	ec := make(chan error, 1)
+	go func() {
+		resp, err := g.rg.srv.Client().Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		ec <- err
+	}()
+	select {
+	case <-g.decodeIn:
+	case <-time.After(waitLimit):
+		cancel()
+		t.Fatal("the decode never got the request")
+	}
+	left = time.Now()
+	cancel()
+	return left, ec
+}
+
 // A client that goes away before the decode answers is not a decode
 // failure: the prefill's identity is kept and the next request still
 // reaches both at once.
 func TestPushClientGoneKeepsIdentity(t *testing.T) {
-	var gated atomic.Bool
-	decodeIn := make(chan struct{}, 4)
-	pf := newFake(t, "p", pushPrefillHandler("p", nil, nil))
-	df := newFake(t, "d", func(w http.ResponseWriter, r *http.Request, rec received) {
-		if !gated.Load() {
-			decodeHandler("d", false)(w, r, rec)
-			return
-		}
-		decodeIn <- struct{}{}
-		<-r.Context().Done()
-	})
-	rg := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Push = true })
-	if code, _, body := rg.post("/v1/completions", map[string]any{"model": "m", "prompt": "hi"}, nil); code != 200 {
-		t.Fatalf("first: %d %s", code, body)
-	}
-	gated.Store(true)
-	ctx, cancel := context.WithCancel(context.Background())
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, rg.srv.URL+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"hi"}`))
-	req.Header.Set("Content-Type", "application/json")
-	errc := make(chan error, 1)
-	go func() {
-		resp, err := rg.srv.Client().Do(req)
-		if err == nil {
-			resp.Body.Close()
-		}
-		errc <- err
-	}()
-	select {
-	case <-decodeIn:
-	case <-time.After(waitLimit):
-		t.Fatal("the decode never got the request")
-	}
-	cancel() // the client goes away while the decode works
+	g := newGatedPush(t, func(*Config) {})
+	_, errc := g.clientLeaves(t) // the client goes away while the decode works
 	<-errc
-	gated.Store(false)
+	g.gated.Store(false)
 	// The proxy's handler may still be winding down: the identity must
 	// survive it, so wait for the prefill's request to have ended too.
 	deadline := time.Now().Add(waitLimit)
-	for len(pf.requests()) < 2 && time.Now().Before(deadline) {
+	for len(g.pf.requests()) < 2 && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	time.Sleep(50 * time.Millisecond)
-	if _, ok := rg.p.pushIdentityOf(rg.p.cfg.Prefill[0]); !ok {
+	if _, ok := g.rg.p.pushIdentityOf(g.rg.p.cfg.Prefill[0]); !ok {
 		t.Fatal("a client that went away made the proxy forget the prefill's identity")
 	}
 }
@@ -238,41 +267,10 @@ func TestPushClientGoneKeepsIdentity(t *testing.T) {
 // before vLLM gave it blocks cannot tell the prefill to drop a computed
 // prompt, so both requests are cancelled at once, whatever AbandonGrace.
 func TestPushClientGoneCancelsAtOnce(t *testing.T) {
-	var gated atomic.Bool
-	canceled := make(chan time.Time, 4)
-	decodeIn := make(chan struct{}, 4)
-	pf := newFake(t, "p", pushPrefillHandler("p", nil, nil))
-	df := newFake(t, "d", func(w http.ResponseWriter, r *http.Request, rec received) {
-		if !gated.Load() {
-			decodeHandler("d", false)(w, r, rec)
-			return
-		}
-		decodeIn <- struct{}{}
-		<-r.Context().Done()
-		canceled <- time.Now()
-	})
-	rg := newRig(t, []*fakeOpenAI{pf}, []*fakeOpenAI{df}, func(c *Config) { c.Push = true; c.AbandonGrace = 5 * time.Second })
-	if code, _, body := rg.post("/v1/completions", map[string]any{"model": "m", "prompt": "hi"}, nil); code != 200 {
-		t.Fatalf("first: %d %s", code, body)
-	}
-	gated.Store(true)
-	ctx, cancel := context.WithCancel(context.Background())
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, rg.srv.URL+"/v1/completions", strings.NewReader(`{"model":"m","prompt":"hi"}`))
-	req.Header.Set("Content-Type", "application/json")
-	go func() {
-		if resp, err := rg.srv.Client().Do(req); err == nil {
-			resp.Body.Close()
-		}
-	}()
+	g := newGatedPush(t, func(c *Config) { c.AbandonGrace = 5 * time.Second })
+	left, _ := g.clientLeaves(t)
 	select {
-	case <-decodeIn:
-	case <-time.After(waitLimit):
-		t.Fatal("the decode never got the request")
-	}
-	left := time.Now()
-	cancel()
-	select {
-	case at := <-canceled:
+	case at := <-g.canceled:
 		if d := at.Sub(left); d > 2*time.Second {
 			t.Fatalf("push decode cancelled %v after the client left; want at once, not after the 5 s grace", d)
 		}
