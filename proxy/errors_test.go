@@ -72,16 +72,21 @@ func TestUpstreamFailures(t *testing.T) {
 		t.Run(tc.description, func(t *testing.T) {
 			var pf, df *fakeOpenAI
 			var pi, di Instance
+			// The live fakes first: a port deadInstance just freed could
+			// otherwise be handed to the next fake's listener, and the
+			// "dead" upstream would answer (seen once in CI).
 			if tc.prefill != nil {
 				pf = newFake(t, "p0", tc.prefill)
 				pi = pf.instance()
-			} else {
-				pi = deadInstance(t)
 			}
 			if tc.decode != nil {
 				df = newFake(t, "d0", tc.decode)
 				di = df.instance()
-			} else {
+			}
+			if tc.prefill == nil {
+				pi = deadInstance(t)
+			}
+			if tc.decode == nil {
 				di = deadInstance(t)
 			}
 			r := newRig(t, nil, nil, func(c *Config) {
