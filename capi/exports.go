@@ -486,6 +486,19 @@ func gonixl_worker_push_arrivals(h C.gonixl_worker_t, buf *C.char, lenp *C.size_
 	})
 }
 
+//export gonixl_worker_kv_digest
+func gonixl_worker_kv_digest(h C.gonixl_worker_t, reqs *C.char, n C.size_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onWorker(h, cerr, func(w *shim.Worker) error {
+		return consume(pendingKey{uint64(h), "kv_digest", ""}, buf, lenp, func() ([]byte, error) {
+			b, err := readIn(reqs, n, "reqs")
+			if err != nil {
+				return nil, err
+			}
+			return w.KVDigests(b)
+		})
+	})
+}
+
 //export gonixl_worker_stats
 func gonixl_worker_stats(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return onWorker(h, cerr, func(w *shim.Worker) error {

@@ -39,7 +39,7 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change to this header. */
-#define GONIXL_ABI_VERSION 3
+#define GONIXL_ABI_VERSION 4
 
 /* Status codes. Append-only: never renumber. */
 typedef int32_t gonixl_status_t;
@@ -289,6 +289,16 @@ gonixl_status_t gonixl_worker_load_errors(gonixl_worker_t h, char *buf, size_t *
  * Size-negotiated. */
 gonixl_status_t gonixl_worker_push_arrivals(gonixl_worker_t h, char *buf, size_t *len,
                                             gonixl_error_t *err);
+
+/* kv_digest (a prefill, after the forward of a step that completed prompts):
+ * reqs_json is a JSON array of {"id", "tokens", "blocks": [[ids] per
+ * transfer group]}; the answer is a JSON object, by request id, of
+ * {"blocks": [[digest per block] per group], "regions": [[sum per region]
+ * per group]} (digests as JSON integers, 0 = not digested), or {} when this
+ * engine's KV cannot be digested. Size-negotiated: a call with a buffer too
+ * small parks the answer for the next call with the same handle. */
+gonixl_status_t gonixl_worker_kv_digest(gonixl_worker_t h, char *reqs_json, size_t reqs_len,
+                                        char *buf, size_t *len, gonixl_error_t *err);
 
 /* get_kv_connector_stats: JSON object of vLLM's stats lists accumulated since
  * the last call, or length 0 when there is nothing. Size-negotiated. */

@@ -65,6 +65,7 @@ type Config struct {
 	HandshakeTimeout       float64  `json:"-"` // gonixl: seconds a whole handshake may take
 	ProgressDelayUs        int      `json:"-"` // gonixl: NIXL progress thread's wait for an event, µs
 	PostOffModelThread     bool     `json:"-"` // gonixl: post from the worker's poster when Post copies (post.go)
+	KVDigest               string   `json:"-"` // gonixl: KVDigestOff, KVDigestVerify or KVDigestFail (kvdigest.go)
 
 	// Worker-side facts the Python connector reads from vLLM's config.
 	// TransferMode is "pull" (NixlConnector: the decode READs) or "push"
@@ -264,6 +265,14 @@ func (c *Config) applyDefaults() error {
 	// false posts on vLLM's model thread, as before.
 	if c.PostOffModelThread, err = x.bool("post_off_model_thread", true); err != nil {
 		return err
+	}
+	if c.KVDigest, err = x.string("kv_digest", KVDigestFail); err != nil {
+		return err
+	}
+	switch c.KVDigest {
+	case KVDigestOff, KVDigestVerify, KVDigestFail:
+	default:
+		return fmt.Errorf("config: kv_connector_extra_config.kv_digest must be off, verify or fail, got %q", c.KVDigest)
 	}
 	return nil
 }

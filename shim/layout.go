@@ -55,6 +55,7 @@ type Region struct {
 	Len    uint64
 	Stride uint64
 	Group  int    // transfer group, or SharedGroup
+	Elem   int64  // element size in bytes (0 for a remote engine's region)
 	Kind   string // LayerKind* of Layer ("sliding_window:N" with its window)
 }
 
@@ -322,7 +323,7 @@ func layerRegions(l LayerTensor, numBlocks int64) ([]Region, error) {
 	}
 	regs := make([]Region, len(bases))
 	for i, b := range bases {
-		regs[i] = Region{Layer: l.Name, Base: b, Len: blockLen, Stride: blockStride}
+		regs[i] = Region{Layer: l.Name, Base: b, Len: blockLen, Stride: blockStride, Elem: l.ElemSize}
 	}
 	return regs, nil
 }

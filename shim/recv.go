@@ -34,6 +34,9 @@ type recvState struct {
 	reshape []BlockReshape
 	// push: push mode, the wait for the prefill's WRITE (push_recv.go).
 	push *pushWait
+	// check: the prefill's digests of the blocks read (kvdigest.go), nil
+	// when read unchecked.
+	check *digestCheck
 }
 
 type inflight struct {
@@ -194,6 +197,7 @@ func (w *Worker) readLocked(st *recvState) {
 			}
 		}
 	}
+	st.check = w.digestCheckLocked(st, re, local, remote)
 	w.consumeRemoteLocked(st, readKey)
 	read := map[string]bool{}
 	// One READ per remote rank read, each carrying its notification.
@@ -655,6 +659,9 @@ func (w *Worker) pollTransfersLocked() {
 		}
 		if !st.report {
 			continue // notify-only: vLLM does not wait for it
+		}
+		if !st.failed && st.check != nil && !w.verifyDigestLocked(st) {
+			st.failed = true
 		}
 		w.done.Recving = append(w.done.Recving, id)
 		if st.failed {

@@ -309,6 +309,7 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 					Expiry:    p.RemoteExpiry,
 					NumTokens: p.RemoteNumTokens,
 					Instance:  p.Instance,
+					Digest:    s.digestFor(reqID, p),
 				},
 			}
 			s.addRecvLocked(reqID, rr)
@@ -611,4 +612,18 @@ func sortedKeys[V any](m map[string]V) []string {
 	}
 	sort.Strings(out)
 	return out
+}
+
+// digestFor is the KV digest a decode's worker checks the READ of reqID
+// against: the params' gonixl_kv_digest, unless kv_digest is off here or
+// the digests were malformed (then read unchecked, and said so).
+func (s *Scheduler) digestFor(reqID string, p *kvwire.TransferParams) *kvwire.KVDigest {
+	if s.cfg.KVDigest == KVDigestOff || !p.DoRemotePrefill {
+		return nil
+	}
+	if p.KVDigestErr != nil {
+		s.log.Warn("kv_transfer_params carry malformed KV digests; the request's KV is read unchecked", zap.String("request_id", reqID), zap.Error(p.KVDigestErr))
+		return nil
+	}
+	return p.KVDigest
 }

@@ -108,6 +108,9 @@ type promMetrics struct {
 	reg                                             *prometheus.Registry
 	xferTime, postTime, bytes, descs                prometheus.Histogram
 	failedXfers, failedNotifs, expired, afterExpiry prometheus.Counter
+	// KV digests (kvdigest.go): requests whose read KV differed from the
+	// prefill's digests, blocks checked, requests read unchecked.
+	digestMismatch, digestChecked, digestUnchecked prometheus.Counter
 }
 
 func newPromMetrics(engineID string) *promMetrics {
@@ -137,6 +140,9 @@ func newPromMetrics(engineID string) *promMetrics {
 	m.failedNotifs = c("vllm:nixl_num_failed_notifications", "Number of failed NIXL KV Cache notifications.")
 	m.expired = c("vllm:nixl_num_kv_expired_reqs", "Number of requests that had their KV expire.")
 	m.afterExpiry = c("vllm:nixl_num_notifications_after_expiry", "Number of completion notifications for requests that were no longer tracked.")
+	m.digestMismatch = c("gonixl_kv_digest_mismatches_total", "Requests whose KV read from a prefill differed from the prefill's digests of it (kv_digest).")
+	m.digestChecked = c("gonixl_kv_digest_checked_blocks_total", "KV blocks read and checked against the prefill's digests.")
+	m.digestUnchecked = c("gonixl_kv_digest_unchecked_total", "Requests whose KV was read unchecked: kv_digest off here, a prefill that sent no digests, or a layout the digests do not follow.")
 	return m
 }
 

@@ -33,6 +33,10 @@ type WorkerInit struct {
 	// sub-blocks land in token order already), or "" when it cannot: such a
 	// prefill is then refused at handshake.
 	BlockReshape string `json:"block_reshape,omitempty"`
+	// HeadSize is the model's head size (elements), which places tokens
+	// inside a block for BlockReshape's kinds (KV digests of a partly
+	// filled block, kvdigest.go).
+	HeadSize int64 `json:"head_size,omitempty"`
 	// KernelLayout is the attention kernel's layout inside a block where
 	// the backend name does not fix it (the CPU backend's ISA-dependent
 	// layouts: "cpu_attn:vec", "cpu_attn:amx"); "" elsewhere. Two gonixl
@@ -67,6 +71,8 @@ type Worker struct {
 	slotLists      map[int][]nixl.DescList // local blocks split in n slots (tpmap.go), by n
 	subLists       map[int]nixl.DescList   // local blocks as n sub-blocks each, by n (a smaller remote block size)
 	blockReshape   string                  // WorkerInit.BlockReshape
+	headSize       int64                   // WorkerInit.HeadSize
+	noted          map[string]bool         // log lines printed once (noteOnce)
 	kernelLayout   string                  // WorkerInit.KernelLayout
 	payload        []byte
 	compatHash     string
@@ -281,7 +287,7 @@ func (w *Worker) RegisterKVCaches(init *WorkerInit) error {
 	w.engine, w.agent, w.layout, w.localList = eng, agent, layout, list
 	w.payload, w.compatHash = payload, hash
 	w.blockSize, w.kvLayout, w.attnBackend = init.BlockSize, init.KVCacheLayout, init.AttnBackend
-	w.blockReshape = init.BlockReshape
+	w.blockReshape, w.headSize = init.BlockReshape, init.HeadSize
 	ok = true
 	w.startIdlePoller()
 	var total uint64

@@ -42,13 +42,15 @@ var (
 // what it may import). The first matching prefix wins; a package no rule matches fails.
 var rules = []rule{
 	{prefix: "capi", internal: []string{"shim", "shim/kvwire", "nixl", "nixl/..."}, cgo: true, unsafe: true},
-	{prefix: "shim", internal: []string{"shim/kvwire", "nixl", "sidechannel"}, external: concat(logging, metrics)},
+	{prefix: "shim", internal: []string{"shim/kvwire", "nixl", "nixl/memhash", "sidechannel"}, external: concat(logging, metrics)},
 	// The wire formats: a leaf, below shim (nothing of the module).
 	{prefix: "shim/kvwire", internal: nil, external: []string{"github.com/vmihailenco/msgpack/v5"}},
 	{prefix: "nixl/libnixl", internal: []string{"nixl", "nixl/internal/native"}, cgo: true, unsafe: true},
 	{prefix: "nixl/ucx", internal: []string{"nixl", "nixl/internal/native"}, cgo: true, unsafe: true},
 	{prefix: "nixl/nixltest", internal: []string{"nixl"}, unsafe: true},
 	{prefix: "nixl/internal/", internal: []string{"nixl", "nixl/internal/..."}, unsafe: true},
+	// Reads this process's memory by address (KV digests): a leaf.
+	{prefix: "nixl/memhash", internal: nil, external: []string{"github.com/zeebo/xxh3"}, unsafe: true},
 	{prefix: "nixl", internal: nil},
 	{prefix: "sidechannel", internal: nil, external: concat(logging, []string{"github.com/vmihailenco/msgpack/v5"})},
 	{prefix: "proxy", internal: nil, external: concat(logging, metrics)},

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from . import errors
 
 #: Must equal GONIXL_ABI_VERSION in include/gonixl.h.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 ERROR_MESSAGE_SIZE = 512
 
@@ -152,6 +152,9 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     # gonixl_status_t gonixl_worker_push_arrivals(gonixl_worker_t h, char *buf, size_t *len,
     #     gonixl_error_t *err);
     ("gonixl_worker_push_arrivals", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_worker_kv_digest(gonixl_worker_t h, char *reqs_json, size_t reqs_len,
+    #     char *buf, size_t *len, gonixl_error_t *err);
+    ("gonixl_worker_kv_digest", status_t, [handle_t, buf, size, buf, size_p, error_p]),
     # gonixl_status_t gonixl_worker_stats(gonixl_worker_t h, char *buf, size_t *len,
     #     gonixl_error_t *err);
     ("gonixl_worker_stats", status_t, [handle_t, buf, size_p, error_p]),

@@ -345,6 +345,7 @@ class Worker:
         kv_cache_layout: str = "",
         block_reshape: str = "",
         kernel_layout: str = "",
+        head_size: int = 0,
     ) -> bytes:
         """Registers the KV caches (layers from :func:`layer_descriptions`)
         and returns the handshake payload the scheduler serves.
@@ -361,6 +362,7 @@ class Worker:
             "kv_cache_layout": kv_cache_layout,
             "block_reshape": block_reshape,
             "kernel_layout": kernel_layout,
+            "head_size": head_size,
         }
         j = json.dumps(init).encode()
         _lib.call("gonixl_worker_register_kv_caches", self.handle, j, len(j))
@@ -390,6 +392,14 @@ class Worker:
         """Base request ids of the decode registrations that arrived since
         the last call (push mode, a prefill)."""
         return json.loads(_lib.call_bytes("gonixl_worker_push_arrivals", self.handle, initial=256))
+
+    def kv_digest(self, reqs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """The digests of the blocks of requests whose prompt KV the step
+        just made final (reqs: {"id", "tokens", "blocks"}), by request id:
+        {"blocks": [[digest] per group], "regions": [[sum] per group]}."""
+        j = json.dumps(reqs).encode()
+        return json.loads(_lib.call_bytes("gonixl_worker_kv_digest", self.handle, j, len(j), initial=4096 + 24 * sum(
+            len(g) for r in reqs for g in r["blocks"])))
 
     def load_errors(self) -> list[int]:
         return json.loads(_lib.call_bytes("gonixl_worker_load_errors", self.handle, initial=64))

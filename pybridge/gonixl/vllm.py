@@ -17,13 +17,16 @@ its workers; a Go runtime does not survive fork).
 from __future__ import annotations
 
 import array
+import base64
 import ctypes
 import hashlib
 import json
 import os
 import platform
+import struct
 import sys
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, cast
 
 import torch
@@ -129,6 +132,7 @@ class GoNixlConnectorMetadata(KVConnectorMetadata):
         recv: Optional[dict[str, list[int]]] = None,
         push_early: bool = False,
         preempted: bool = False,
+        digest: Optional[list[dict[str, Any]]] = None,
     ):
         self.data = data
         self.save = save or {}
@@ -139,6 +143,10 @@ class GoNixlConnectorMetadata(KVConnectorMetadata):
         # Push mode: announced prompts vLLM preempted; the workers fence
         # their WRITEs in handle_preemptions, before the step's forward.
         self.preempted = preempted
+        # Pull mode, a prefill: the requests whose prompt this step
+        # completes ({"id", "tokens", "blocks"}): the workers digest their
+        # blocks after the forward (gonixl_worker_kv_digest).
+        self.digest = digest or []
 
 
 #: Test knob: host staging on vLLM's CPU platform, where vLLM never stages
@@ -159,16 +167,22 @@ def _host_staging(vllm_config: VllmConfig) -> bool:
 
 class GoNixlWorkerMeta(KVConnectorWorkerMetadata):
     """A worker's word to its scheduler for one step: the base request ids
-    of the push registrations that arrived (push_admission.py); the
-    workers' words are merged (any rank's registration claims a request)."""
+    of the push registrations that arrived (push_admission.py), and the KV
+    digests of the prompts the step completed, by request id and tp rank;
+    the workers' words are merged (any rank's registration claims a
+    request; each rank adds its digests)."""
 
-    def __init__(self, push_arrivals: frozenset[str]):
+    def __init__(self, push_arrivals: frozenset[str], digests: Optional[dict[str, dict[int, Any]]] = None):
         self.push_arrivals = push_arrivals
+        self.digests = digests or {}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, GoNixlWorkerMeta):
             return self
-        return GoNixlWorkerMeta(self.push_arrivals | other.push_arrivals)
+        digests = {rid: dict(ranks) for rid, ranks in self.digests.items()}
+        for rid, ranks in other.digests.items():
+            digests.setdefault(rid, {}).update(ranks)
+        return GoNixlWorkerMeta(self.push_arrivals | other.push_arrivals, digests)
 
 
 class GoNixlHandshakeMetadata(KVConnectorHandshakeMetadata):
@@ -186,6 +200,15 @@ class GoNixlHandshakeMetadata(KVConnectorHandshakeMetadata):
 # never computed from. vLLM's stock connector ignores unknown keys; params
 # from a stock prefill carry no digest and are unchecked.
 PROMPT_DIGEST_KEY = "gonixl_prompt_digest"
+#: A pull prefill's digests of the KV of the blocks its params name
+#: (shim/kvwire/kvdigest.go, docs/PROTOCOL.md).
+KV_DIGEST_KEY = "gonixl_kv_digest"
+
+
+def _pack_u64(values: Sequence[int]) -> str:
+    """64-bit digests as kv_transfer_params carry them: base64 of
+    little-endian uint64s."""
+    return base64.b64encode(struct.pack(f"<{len(values)}Q", *values)).decode()
 # A gonixl decode's params carry the wall-clock end of its blocks' TTL (no
 # stock engine sends it): params with it come from a gonixl decode.
 EXPIRY_UNIX_KEY = "gonixl_expiry_unix"
@@ -423,6 +446,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._recv_blocks: dict[str, list[int]] = {}
         self._block_size = int(vllm_config.cache_config.block_size)
         self._warned_no_digest = False
+        self._warned_digest = False
         # Push mode, scheduler side (has_pending_push_work): prefill
         # requests whose blocks wait for their WRITE, decode registrations
         # not yet handed to the worker, decode requests registered and not
@@ -486,6 +510,27 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._admission_logged = 0.0
         self._admission_warned = False
         self._arrived: list[str] = []
+        # KV digests (kv_digest, shim/kvdigest.go). A pull prefill's
+        # scheduler tracks each request for a remote decode until the step
+        # that completes its prompt, whose metadata asks the workers to
+        # digest its blocks after the forward; the digests come back in that
+        # step's worker metadata and are added to the params
+        # request_finished returned in the same update_from_output (vLLM
+        # sends the outputs after it). On a worker: the step's digests, by
+        # request id.
+        self._kv_digest = str(extra.get("kv_digest", "fail"))
+        self._digest_ok = (
+            self._TRANSFER_MODE == "pull"
+            and role == KVConnectorRole.SCHEDULER
+            and ktc.kv_role != "kv_consumer"
+            and self._kv_digest != "off"
+        )
+        self._digest_watch: dict[str, tuple["Request", list[list[int]]]] = {}
+        self._digest_sent: dict[str, tuple[int, list[list[int]]]] = {}
+        self._digest_waiting: dict[str, dict[str, Any]] = {}  # params of this step's finished requests
+        self._digest_early: dict[str, dict[int, Any]] = {}  # digests that came before their request_finished
+        self._digests: dict[str, dict[int, Any]] = {}
+        self._rank = 0  # the worker's tp rank, from register_kv_caches
         # The next step's metadata carries preemptions for the workers.
         self._fence_next = False
         self._kv_on_cuda = False
@@ -695,6 +740,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         ):
             self._push_early_seen.add(request.request_id)
             self._push_early[request.request_id] = (request, [])
+        if self._digest_ok and params.get("do_remote_decode") and request.request_id not in self._digest_watch:
+            self._digest_watch[request.request_id] = (request, [])
         push_register = self._TRANSFER_MODE == "push" and num_external_tokens > 0 and bool(params.get("do_remote_prefill"))
         if push_register:
             # The registration carries this prompt's digest: the prefill
@@ -747,16 +794,19 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             return self.kv_cache_config.select_transfer_block_ids(block_ids)
         return block_ids
 
-    def _push_prompts_done(self, scheduler_output: "SchedulerOutput") -> bool:
-        """Push mode, a prefill: announces the requests whose prompt this
-        step completes, with all their blocks (tracked from vLLM's per-step
-        block lists, as its _build_save_meta does). True if any was."""
+    @staticmethod
+    def _prompts_done(
+        watch: dict[str, tuple["Request", list[list[int]]]], scheduler_output: "SchedulerOutput"
+    ) -> list[tuple["Request", list[list[int]]]]:
+        """The watched requests whose prompt this step completes, with all
+        their blocks per KV-cache group (tracked from vLLM's per-step block
+        lists, as its _build_save_meta does); they leave watch."""
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
-        announced = False
+        done = []
         scheduled_tokens = scheduler_output.num_scheduled_tokens or {}
         for req_id, new_groups, resumed in yield_req_data(scheduler_output):
-            entry = self._push_early.get(req_id)
+            entry = watch.get(req_id)
             if entry is None:
                 continue
             req, acc = entry
@@ -768,7 +818,31 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                         g.extend(new)
             if req.num_computed_tokens + scheduled_tokens.get(req_id, 0) < req.num_prompt_tokens:
                 continue
-            del self._push_early[req_id]
+            del watch[req_id]
+            done.append(entry)
+        return done
+
+    def _digest_prompts_done(self, scheduler_output: "SchedulerOutput") -> list[dict[str, Any]]:
+        """Pull mode, a prefill: the requests whose prompt this step
+        completes, for the workers to digest after the forward. A block id
+        listed twice (a sliding-window block freed and given back to the
+        same prompt) counts at its last position."""
+        out = []
+        for req, acc in self._prompts_done(self._digest_watch, scheduler_output):
+            groups = [list(g) for g in self._transfer_ids(tuple(acc))]
+            for g in groups:
+                last = {b: j for j, b in enumerate(g)}
+                g[:] = [b if last[b] == j else -1 for j, b in enumerate(g)]
+            self._digest_sent[req.request_id] = (req.num_prompt_tokens, groups)
+            out.append({"id": req.request_id, "tokens": req.num_prompt_tokens, "blocks": groups})
+        return out
+
+    def _push_prompts_done(self, scheduler_output: "SchedulerOutput") -> bool:
+        """Push mode, a prefill: announces the requests whose prompt this
+        step completes, with all their blocks. True if any was."""
+        announced = False
+        for req, acc in self._prompts_done(self._push_early, scheduler_output):
+            req_id = req.request_id
             params = req.kv_transfer_params or {}
             pj = _with_digest(params, req.prompt_token_ids, req.num_prompt_tokens)
             if pj is None:
@@ -810,6 +884,10 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if self._push_early_seen:
             self._push_preempted(scheduler_output)
         push_early = bool(self._push_early) and self._push_prompts_done(scheduler_output)
+        if self._digest_waiting:
+            # The last step's update_connector_output never came: read unchecked.
+            self._take_digests(None)
+        digest = self._digest_prompts_done(scheduler_output) if self._digest_watch else None
         if self._sched_dirty or (self._sched_due is not None and time.monotonic() >= self._sched_due):
             # The library answers b"" for an idle step (no work, no timer
             # due), which stays idle until one of the calls that set
@@ -830,7 +908,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._push_registering.clear()  # handed to the worker with this step
         preempted, self._fence_next = self._fence_next and bool(data), False
         if not self._staging:
-            return GoNixlConnectorMetadata(data, push_early=push_early, preempted=preempted)
+            return GoNixlConnectorMetadata(data, push_early=push_early, preempted=preempted, digest=digest)
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
         # As vLLM's _build_save_meta: a prefill for a remote decode saves
@@ -845,9 +923,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             if req.num_computed_tokens + scheduled >= req.num_prompt_tokens:
                 del self._need_save[req_id]
         recv, self._stage_recv = self._stage_recv, {}
-        return GoNixlConnectorMetadata(data, save=save, recv=recv, preempted=preempted)
+        return GoNixlConnectorMetadata(data, save=save, recv=recv, preempted=preempted, digest=digest)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        if self._digest_sent:
+            self._take_digests(getattr(connector_output, "kv_connector_worker_meta", None))
         adm = self._admission
         if adm is not None:
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -875,6 +955,59 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched_dirty = True
             self._scheduler().update_connector_output(done)
 
+    def _take_digests(self, meta: Any) -> None:
+        """The step's digests (workers' metadata) go into the params of the
+        requests request_finished returned in this update_from_output; a
+        digest that comes first waits for its request_finished. A request
+        whose digests did not come in its finishing step is read unchecked."""
+        if isinstance(meta, GoNixlWorkerMeta):
+            for rid, ranks in meta.digests.items():
+                params = self._digest_waiting.pop(rid, None)
+                if params is not None:
+                    self._attach_digest(rid, params, ranks)
+                elif rid in self._digest_sent:
+                    self._digest_early[rid] = ranks
+        for rid in self._digest_waiting:
+            self._digest_sent.pop(rid, None)
+        self._digest_waiting.clear()
+
+    def _attach_digest(self, rid: str, params: dict[str, Any], ranks: dict[int, Any]) -> None:
+        """Adds gonixl_kv_digest to a finished request's params: each rank's
+        digests of the blocks the params name, in their order
+        (shim/kvwire/kvdigest.go)."""
+        tokens, blocks = self._digest_sent.pop(rid)
+        tp = int(params.get("tp_size") or 1)
+        adv = params.get("remote_block_ids") or []
+        why = ""
+        if sorted(ranks) != list(range(tp)) or len(adv) != len(blocks):
+            why = f"digests of ranks {sorted(ranks)} for tp_size {tp}, {len(blocks)} groups for {len(adv)}"
+        first: list[int] = []
+        whole: list[bool] = []
+        for g, ids in enumerate(adv if not why else ()):
+            pos_of = {b: j for j, b in enumerate(blocks[g]) if b >= 0}
+            pos = [pos_of.get(b) for b in ids]
+            start = pos[0] if pos else 0
+            if start is None or any(p != start + k for k, p in enumerate(pos)):
+                why = f"group {g}: the params' blocks are not a run of the prompt's"
+                break
+            first.append(start)
+            whole.append(start == 0 and len(ids) == len(pos_of))
+        if why:
+            if not self._warned_digest:
+                self._warned_digest = True
+                logger.warning("GoNixlConnector: request %s goes without KV digests (%s); logged once", rid, why)
+            return
+        out = []
+        for r in range(tp):
+            d = ranks[r]
+            out.append(
+                {
+                    "blocks": [_pack_u64(d["blocks"][g][first[g] : first[g] + len(adv[g])]) for g in range(len(adv))],
+                    "regions": [_pack_u64(d["regions"][g]) if whole[g] else "" for g in range(len(adv))],
+                }
+            )
+        params[KV_DIGEST_KEY] = {"alg": "xxh3-64", "tokens": tokens, "first": first, "ranks": out}
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self.request_finished_all_groups(request, (block_ids,))
 
@@ -882,6 +1015,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, Optional[dict[str, Any]]]:
         self._need_save.pop(request.request_id, None)
+        self._digest_watch.pop(request.request_id, None)
         self._push_early.pop(request.request_id, None)
         self._push_early_seen.discard(request.request_id)
         if request.request_id in self._push_registered:
@@ -931,6 +1065,15 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             self._push_sending.add(request.request_id)
         if self._admission is not None:
             self._admission.finished(request.request_id, bool(push_prefill and delay))
+        rid = request.request_id
+        if rid in self._digest_sent:
+            ranks = self._digest_early.pop(rid, None)
+            if not (params and params.get("do_remote_prefill") and delay):
+                self._digest_sent.pop(rid, None)
+            elif ranks is not None:
+                self._attach_digest(rid, params, ranks)
+            else:
+                self._digest_waiting[rid] = params  # the step's worker metadata comes next
         if params and params.get("do_remote_prefill"):
             digest = prompt_digest(request.prompt_token_ids, params.get("remote_num_tokens") or 0)
             if digest is not None:
@@ -1024,7 +1167,9 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             kv_cache_layout=layout.name,
             block_reshape=self._reshaper.mode,
             kernel_layout=kernel,
+            head_size=self._vllm_config.model_config.get_head_size(),
         )
+        self._rank = _tp_rank("worker")
         self._handshake = GoNixlHandshakeMetadata(payload)
         # From here on get_finished is skipped in idle steps (the state is
         # the library's, read without a call).
@@ -1071,6 +1216,16 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             self._host.save_to_host(blocks)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        meta = self._connector_metadata
+        if isinstance(meta, GoNixlConnectorMetadata) and meta.digest:
+            # After the forward that completed these prompts (and host
+            # staging's save): their KV is final; digested before the step's
+            # outputs, and so the params, leave.
+            if self._kv_on_cuda and self._host is None:
+                torch.cuda.synchronize()
+            rank = self._rank
+            for rid, d in self._work().kv_digest(meta.digest).items():
+                self._digests[rid] = {rank: d}
         if self._kv_on_cuda:
             meta = self._connector_metadata
             if isinstance(meta, GoNixlConnectorMetadata) and meta.push_early:
@@ -1124,12 +1279,13 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return blocks
 
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
-        """Push mode, a prefill: the registrations that arrived, for the
-        scheduler's admission (push_admission.py)."""
-        if not self._arrived:
+        """A prefill: the push registrations that arrived, for the
+        scheduler's admission (push_admission.py), and the step's KV
+        digests."""
+        if not self._arrived and not self._digests:
             return None
-        meta = GoNixlWorkerMeta(frozenset(self._arrived))
-        self._arrived = []
+        meta = GoNixlWorkerMeta(frozenset(self._arrived), self._digests)
+        self._arrived, self._digests = [], {}
         return meta
 
     def _log_admission(self) -> None:

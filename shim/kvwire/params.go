@@ -69,7 +69,13 @@ type TransferParams struct {
 	PromptDigest string
 	// Instance (gonixl_instance, "" when absent): the id of the gonixl
 	// scheduler process that made these params.
-	Instance        string
+	Instance string
+	// KVDigest (gonixl_kv_digest, nil when absent or malformed): the
+	// digests of the KV the prefill computed for RemoteBlockIDs;
+	// KVDigestErr says why one present was not taken (the blocks are then
+	// read unchecked, and the reader logs it).
+	KVDigest        *KVDigest
+	KVDigestErr     error
 	BlocksProcessed bool // _remote_blocks_processed
 	hasEngine       bool
 	hasRequest      bool
@@ -221,6 +227,9 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 		}
 		p.RemoteBlockIDs = b
 		p.HasRemoteBlocks = !b.Empty()
+	}
+	if d, ok := raw[KeyKVDigest]; ok && string(d) != "null" {
+		p.KVDigest, p.KVDigestErr = ParseKVDigest(d, p.RemoteBlockIDs)
 	}
 	return p, nil
 }

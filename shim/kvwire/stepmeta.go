@@ -19,6 +19,8 @@ type RemoteMeta struct {
 	Expiry    *float64 `msgpack:"expiry,omitempty"` // remote_blocks_expiry_time, remote clock
 	NumTokens int64    `msgpack:"num_tokens"`
 	Instance  string   `msgpack:"instance,omitempty"` // gonixl_instance of the params
+	// Digest: gonixl_kv_digest of the params, when the decode checks it.
+	Digest *KVDigest `msgpack:"digest,omitempty"`
 }
 
 // RecvReq is one request the worker must load (vLLM's ReqMeta).

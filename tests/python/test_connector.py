@@ -19,11 +19,13 @@ Run: GONIXL_LIB_PATH=build/libgonixl.so .venv/bin/python -m pytest -q tests/pyth
 from __future__ import annotations
 
 import ast
+import base64
 import copy
 import importlib.util
 import inspect
 import json
 import os
+import struct
 import textwrap
 import time
 
@@ -233,10 +235,15 @@ def test_request_finished_returns_vllms_kv_transfer_params(pd):
     p, d = pd
     pre, dr, _ = transfer(p, d, "keys", 70)
     params = pre.params
-    # vLLM's keys, plus gonixl's digest of the prompt the blocks hold and
-    # the id of the process that holds them (docs/PROTOCOL.md).
-    assert set(params) == vllm_request_finished_keys() | {"gonixl_prompt_digest", "gonixl_instance"}, sorted(params)
+    # vLLM's keys, plus gonixl's digest of the prompt the blocks hold, the
+    # id of the process that holds them and the digests of their KV
+    # (docs/PROTOCOL.md).
+    assert set(params) == vllm_request_finished_keys() | {"gonixl_prompt_digest", "gonixl_instance", "gonixl_kv_digest"}, sorted(params)
     assert params["gonixl_prompt_digest"] == gonixl.vllm.prompt_digest(pre.req.prompt_token_ids, 70)
+    kd = params["gonixl_kv_digest"]
+    assert kd["alg"] == "xxh3-64" and kd["tokens"] == 70 and kd["first"] == [0] and len(kd["ranks"]) == 1, kd
+    digests = struct.unpack("<3Q", base64.b64decode(kd["ranks"][0]["blocks"][0]))
+    assert all(digests) and len(set(digests)) == 3, digests
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_block_ids"] == [pre.block_ids]  # one list per KV-cache group
     assert len(pre.block_ids) == 3
@@ -1211,3 +1218,25 @@ def test_steps_between_heartbeats_make_no_call(connector_cls, dist_env, monkeypa
     finally:
         d.shutdown()
         p.shutdown()
+
+
+def test_kv_digest_fails_the_load_of_a_block_changed_after_its_prompt(pd):
+    """The prefill digests its blocks in the step that completes the prompt
+    (after the forward, through the worker metadata into the params
+    request_finished returned); a block whose KV changed after that (given
+    to another request under the lease, a partial write) fails the decode's
+    load, its blocks as load errors; the unchanged request before it loads."""
+    p, d = pd
+    pre, dr, _ = transfer(p, d, "digest-ok", 70)
+    wait_transfer_done(p, d, pre, dr)
+    assert "digest-ok-d" not in d.out.failed
+    finish_decode(d, dr)
+
+    pre = h.prefill(p, "digest-bad-p", 70, seed=3)
+    assert "gonixl_kv_digest" in pre.params
+    p.fill_block(pre.block_ids[1], 0.5)  # after the digest, before the READ
+    dr = h.schedule_decode(d, "digest-bad-d", 70, pre.params)
+    h.run_until([p, d], lambda: "digest-bad-d" in d.out.recving, "the changed block's load to end")
+    assert "digest-bad-d" in d.out.failed
+    assert set(dr.new_blocks) <= d.out.invalid_until_recv("digest-bad-d")
+    finish_decode(d, dr)

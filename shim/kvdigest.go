@@ -1,0 +1,374 @@
+package shim
+
+// KV digests: the bytes that landed are the bytes the prefill computed.
+//
+// The producer (a pull prefill's worker) hashes every block of a request
+// in the step whose forward made its prompt's KV final (KVDigests, called
+// by the Python worker after that forward; the digests reach the request's
+// kv_transfer_params through vLLM's worker metadata in the same step). The
+// reader (a decode's worker) hashes the blocks it read once every READ of
+// the request completed, before it reports the request received, and
+// compares (verifyDigestLocked). A block covers the prompt's token slots
+// only: the last, partly filled block of a prompt is hashed over its first
+// tokens (a step still in flight may write the next slot).
+//
+// Who digests what: block j of group g is hashed region by region (every
+// region that holds the group, in region order), each region's bytes of
+// the block's prompt tokens as one stream (memhash.Sum64); the block's
+// digest is the hash of those region hashes. A reader that read every block
+// of a group also compares, per region, the wrapping sum of the region's
+// hashes over the blocks, which names the layer of a mismatch.
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+
+	"go.uber.org/zap"
+
+	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/nixl/memhash"
+)
+
+// kv_digest settings (kv_connector_extra_config).
+const (
+	KVDigestOff    = "off"    // no digests taken or checked
+	KVDigestVerify = "verify" // a mismatch is logged and counted, the KV served
+	KVDigestFail   = "fail"   // a mismatch is a load failure (kv_load_failure_policy)
+)
+
+// DigestReq is one request whose prompt KV the step just made final: its
+// prompt's token count and its blocks per transfer group, the whole
+// prompt's list in prompt order.
+type DigestReq struct {
+	ID     string   `json:"id"`
+	Tokens int64    `json:"tokens"`
+	Blocks BlockIDs `json:"blocks"`
+}
+
+// DigestOut is a request's digests: Blocks[g][j] of DigestReq.Blocks[g][j]
+// (0 for a block not digested), Regions[g] the per-region sums.
+type DigestOut struct {
+	Blocks  [][]uint64 `json:"blocks"`
+	Regions [][]uint64 `json:"regions"`
+}
+
+// byteRun is a run of bytes inside one block of a region.
+type byteRun struct{ off, n uint64 }
+
+// tokenRuns returns where token slots [0, m) of a block of r lie, as runs
+// inside the block; ok is false when this layout's token order is not
+// known (BlockReshape ""), which only matters for a partly filled block.
+func (w *Worker) tokenRuns(r Region, m int64) (runs []byteRun, ok bool) {
+	bs := w.blockSize
+	if m >= bs || bs <= 0 {
+		return []byteRun{{0, r.Len}}, true
+	}
+	if m <= 0 {
+		return nil, true
+	}
+	bl := int64(r.Len)
+	switch w.blockReshape {
+	case "token_major":
+		if bl%bs != 0 {
+			return nil, false
+		}
+		return []byteRun{{0, uint64(m * (bl / bs))}}, true
+	case "head_major":
+		// Per head a run of block_size tokens of head_size elements.
+		hd, e := w.headSize, r.Elem
+		if hd <= 0 || e <= 0 || bl%(bs*hd*e) != 0 {
+			return nil, false
+		}
+		per := bs * hd * e
+		for h := int64(0); h < bl/per; h++ {
+			runs = append(runs, byteRun{uint64(h * per), uint64(m * hd * e)})
+		}
+		return runs, true
+	case "cpu_vec":
+		// Per head: K as [head_size][tokens] (a run of one element per
+		// token for each dimension), then V as [tokens][head_size].
+		hd, e := w.headSize, r.Elem
+		if hd <= 0 || e <= 0 || bl%(2*bs*hd*e) != 0 {
+			return nil, false
+		}
+		per := 2 * bs * hd * e
+		for h := int64(0); h < bl/per; h++ {
+			base := h * per
+			for d := int64(0); d < hd; d++ {
+				runs = append(runs, byteRun{uint64(base + d*bs*e), uint64(m * e)})
+			}
+			runs = append(runs, byteRun{uint64(base + bs*hd*e), uint64(m * hd * e)})
+		}
+		return runs, true
+	}
+	return nil, false
+}
+
+// groupRegions are the indices of the regions that hold group g's blocks.
+func (w *Worker) groupRegions(g int) []int {
+	var out []int
+	for i, r := range w.layout.Regions {
+		if r.Group == g || r.Group == SharedGroup {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// errDigestLayout: a partly filled block of a layout whose token order is
+// not known cannot be hashed over its prompt tokens only.
+var errDigestLayout = errors.New("the token order inside a block of this KV-cache layout is not known")
+
+// digestBlocks hashes blocks ids of group g, block j holding tokens(j)
+// prompt tokens: per block the digest, and per region of the group the
+// wrapping sum of its hashes. A block it cannot hash gets digest 0 (not
+// checked); the caller has checked ids against the layout.
+func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blocks, regions []uint64) {
+	regs := w.groupRegions(g)
+	blocks = make([]uint64, len(ids))
+	regions = make([]uint64, len(regs))
+	hashes := make([]byte, 8*len(regs))
+	var spans []memhash.Span
+	for j, id := range ids {
+		m := tokens(j)
+		if m <= 0 || id < 0 {
+			continue
+		}
+		ok := true
+		for k, ri := range regs {
+			r := w.layout.Regions[ri]
+			runs, known := w.tokenRuns(r, m)
+			if !known {
+				ok = false
+				break
+			}
+			spans = spans[:0]
+			base := r.Base + uint64(id)*r.Stride
+			for _, ru := range runs {
+				spans = append(spans, memhash.Span{Addr: base + ru.off, Len: ru.n})
+			}
+			h := memhash.Sum64(spans)
+			binary.LittleEndian.PutUint64(hashes[8*k:], h)
+		}
+		if !ok {
+			continue
+		}
+		for k := range regs {
+			regions[k] += binary.LittleEndian.Uint64(hashes[8*k:])
+		}
+		blocks[j] = digestOf(hashes)
+	}
+	return blocks, regions
+}
+
+// digestOf is a block's digest from its region hashes, never 0 (0 means
+// "not digested" on the wire).
+func digestOf(regionHashes []byte) uint64 {
+	d := memhash.Bytes(regionHashes)
+	if d == 0 {
+		d = 1
+	}
+	return d
+}
+
+// canDigestLocked says why this worker's KV cannot be digested, or "".
+func (w *Worker) canDigestLocked() string {
+	switch {
+	case w.layout == nil:
+		return "no KV cache registered"
+	case w.layout.Mem != nixl.DRAM:
+		return fmt.Sprintf("the KV cache is in %v: digests of device memory are not built (docs/FAULTS.md)", w.layout.Mem)
+	}
+	return ""
+}
+
+// checkIDs checks block ids against this worker's cache (-1: a place
+// holder, not hashed).
+func (w *Worker) checkIDs(ids BlockIDs) error {
+	for g, l := range ids {
+		for _, b := range l {
+			if b < -1 || b >= w.layout.NumBlocks {
+				return fmt.Errorf("group %d: block id %d out of range [0, %d)", g, b, w.layout.NumBlocks)
+			}
+		}
+	}
+	return nil
+}
+
+// KVDigests hashes the blocks of requests whose prompt KV the step made
+// final (a JSON list of DigestReq) and returns a JSON object of DigestOut
+// by request id. Called after the step's forward, on vLLM's thread: the
+// digests must reach the request's kv_transfer_params in the same step.
+func (w *Worker) KVDigests(in []byte) ([]byte, error) {
+	var reqs []DigestReq
+	if err := json.Unmarshal(in, &reqs); err != nil {
+		return nil, withClass(ErrInvalidInput, fmt.Errorf("kv digests: %w", err))
+	}
+	defer w.lockTimed("kv_digests")()
+	if w.closed {
+		return nil, withClass(ErrState, errors.New("worker is closed"))
+	}
+	if why := w.canDigestLocked(); why != "" {
+		if w.noteOnce("digest:"+why) {
+			w.log.Warn("KV digests are not taken: "+why+"; decodes read this engine's KV unchecked", zap.String("kv_digest", w.cfg.KVDigest))
+		}
+		return []byte("{}"), nil
+	}
+	ng := max(len(w.cfg.TransferGroups), 1)
+	out := make(map[string]DigestOut, len(reqs))
+	for _, r := range reqs {
+		if len(r.Blocks) != ng {
+			return nil, withClass(ErrInvalidInput, fmt.Errorf("kv digests: request %s has %d groups of blocks, this engine %d", r.ID, len(r.Blocks), ng))
+		}
+		if err := w.checkIDs(r.Blocks); err != nil {
+			return nil, withClass(ErrInvalidInput, fmt.Errorf("kv digests: request %s: %w", r.ID, err))
+		}
+		d := DigestOut{Blocks: make([][]uint64, ng), Regions: make([][]uint64, ng)}
+		for g, ids := range r.Blocks {
+			n := r.Tokens
+			d.Blocks[g], d.Regions[g] = w.digestBlocks(g, ids, func(j int) int64 { return min(w.blockSize, n-int64(j)*w.blockSize) })
+		}
+		out[r.ID] = d
+	}
+	return json.Marshal(out)
+}
+
+// noteOnce is true the first time key is seen (a log line printed once).
+func (w *Worker) noteOnce(key string) bool {
+	if w.noted == nil {
+		w.noted = map[string]bool{}
+	}
+	if w.noted[key] || len(w.noted) > 1024 {
+		return false
+	}
+	w.noted[key] = true
+	return true
+}
+
+// digestCheck is what a READ's blocks must hash to: per group, the local
+// blocks read, the prefill's digest of each (0: not checked) and its token
+// count; whole says the READ covered every block the digests name (then
+// the per-region sums locate a mismatch).
+type digestCheck struct {
+	rank    int
+	local   BlockIDs
+	remote  BlockIDs
+	want    [][]uint64
+	tokens  [][]int64
+	pos     [][]int64
+	whole   []bool
+	regions [][]uint64
+}
+
+// digestCheckLocked prepares the check of st's READ of local from remote
+// (pairBlocks' pairs), or returns nil when the READ is read unchecked
+// (kv_digest off, a peer that sent no digests, a layout the digests do not
+// follow), logged once per reason and engine.
+func (w *Worker) digestCheckLocked(st *recvState, re *remoteEngine, local, remote BlockIDs) *digestCheck {
+	if w.cfg.KVDigest == KVDigestOff || st.meta.Readback {
+		return nil
+	}
+	d := st.meta.Remote.Digest
+	why := ""
+	switch {
+	case d == nil:
+		why = "the prefill sent no KV digests (a stock engine, or gonixl with kv_digest off)"
+	case re.blockRatio > 1:
+		why = "its block size differs from this engine's (digests follow whole blocks)"
+	case len(re.plan.sources) != 1 || re.plan.nSlots > 1 || (re.plan.ratio != 1 && !re.plan.mla):
+		why = "its tp_size differs from this engine's (digests follow a rank's whole blocks)"
+	case w.canDigestLocked() != "":
+		why = w.canDigestLocked()
+	case re.plan.sources[0] >= len(d.Ranks) || len(d.First) != len(local):
+		why = "its digests do not match its ranks or groups"
+	}
+	if why != "" {
+		w.prom.digestUnchecked.Inc()
+		if w.noteOnce("unchecked:" + re.id + why) {
+			w.log.Warn("reading KV unchecked: "+why+" (logged once per engine)", zap.String("remote_engine_id", re.id), zap.String("request_id", st.id))
+		}
+		return nil
+	}
+	rank := re.plan.sources[0]
+	rd := d.Ranks[rank]
+	c := &digestCheck{rank: rank, local: local, remote: remote, want: make([][]uint64, len(local)), tokens: make([][]int64, len(local)),
+		pos: make([][]int64, len(local)), whole: make([]bool, len(local)), regions: rd.Regions}
+	for g := range local {
+		adv := st.meta.Remote.BlockIDs[g]
+		skip := len(adv) - len(local[g])
+		if skip < 0 || len(rd.Blocks[g]) != len(adv) {
+			return nil
+		}
+		c.whole[g] = skip == 0
+		for k := range local[g] {
+			j := skip + k
+			pos := d.First[g] + int64(j)
+			c.want[g] = append(c.want[g], rd.Blocks[g][j])
+			c.pos[g] = append(c.pos[g], pos)
+			c.tokens[g] = append(c.tokens[g], min(w.blockSize, d.Tokens-pos*w.blockSize))
+		}
+	}
+	return c
+}
+
+// verifyDigestLocked hashes the blocks st read and compares them with the
+// prefill's digests; true when the request may be reported received (no
+// mismatch, or kv_digest verify).
+func (w *Worker) verifyDigestLocked(st *recvState) bool {
+	c := st.check
+	var bad []string
+	checked := 0
+	for g := range c.local {
+		tok := c.tokens[g]
+		got, regions := w.digestBlocks(g, c.local[g], func(j int) int64 { return tok[j] })
+		var badBlocks []int
+		for k, want := range c.want[g] {
+			if want == 0 || got[k] == 0 {
+				continue
+			}
+			checked++
+			if got[k] != want {
+				badBlocks = append(badBlocks, k)
+			}
+		}
+		if len(badBlocks) == 0 {
+			continue
+		}
+		layers := "not located (the read did not cover every block the digests name)"
+		if c.whole[g] && g < len(c.regions) && len(c.regions[g]) == len(regions) {
+			var names []string
+			regs := w.groupRegions(g)
+			for k := range regions {
+				if regions[k] != c.regions[g][k] {
+					names = append(names, fmt.Sprintf("%s (region %d)", w.layout.Regions[regs[k]].Layer, regs[k]))
+				}
+			}
+			if len(names) > 0 {
+				layers = strings.Join(names, ", ")
+			}
+		}
+		for i, k := range badBlocks {
+			if i == 8 {
+				bad = append(bad, fmt.Sprintf("group %d: %d more blocks", g, len(badBlocks)-8))
+				break
+			}
+			bad = append(bad, fmt.Sprintf("group %d block %d (local id %d, remote id %d, tokens %d)", g, c.pos[g][k], c.local[g][k], c.remote[g][k], c.tokens[g][k]))
+		}
+		bad = append(bad, fmt.Sprintf("group %d layers: %s", g, layers))
+	}
+	w.prom.digestChecked.Add(float64(checked))
+	if len(bad) == 0 {
+		return true
+	}
+	w.prom.digestMismatch.Inc()
+	msg := fmt.Sprintf("the KV read differs from the prefill's digests (kv_digest %s, remote tp_rank %d): %s", w.cfg.KVDigest, c.rank, strings.Join(bad, "; "))
+	if w.cfg.KVDigest == KVDigestVerify {
+		w.logFailure("kv_digest_mismatch", st, msg+"; served anyway (kv_digest verify)", nil)
+		return true
+	}
+	w.failLocked(st, "kv_digest_mismatch", msg+"; the load fails (kv_load_failure_policy "+w.cfg.KVLoadFailurePolicy+")", nil)
+	return false
+}

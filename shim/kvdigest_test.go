@@ -1,0 +1,248 @@
+package shim
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/nixl/nixltest"
+	"github.com/gonixl/gonixl/shim/kvwire"
+)
+
+// newDigestSide is newSide with the token order of the test layout known
+// ([heads][tokens][head_size] per block: "head_major").
+func newDigestSide(t *testing.T, eng nixl.Engine, kvRole, id string, fill byte, extra map[string]any) *side {
+	t.Helper()
+	port := freePort(t)
+	s, err := NewScheduler(testConfig(t, RoleScheduler, kvRole, id, port, extra), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := NewWorker(testConfig(t, RoleWorker, kvRole, id, port, extra), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	km := newKVMem(t, fill)
+	init := initFor(km)
+	init.BlockReshape, init.HeadSize = "head_major", tHeadDim
+	registerAndServe(t, s, w, eng, 0, init)
+	return &side{sched: s, work: w, kv: km, port: port}
+}
+
+// withDigests is what the Python prefill does with the worker's digests:
+// params gain gonixl_kv_digest for the blocks they name (the whole list).
+func withDigests(t *testing.T, p *side, reqID string, blocks []int64, tokens int64, out []byte) []byte {
+	t.Helper()
+	in, _ := json.Marshal([]DigestReq{{ID: reqID, Tokens: tokens, Blocks: BlockIDs{blocks}}})
+	raw, err := p.work.KVDigests(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got map[string]DigestOut
+	if err := json.Unmarshal(raw, &got); err != nil {
+		t.Fatal(err)
+	}
+	d, ok := got[reqID]
+	if !ok || len(d.Blocks) != 1 || len(d.Blocks[0]) != len(blocks) {
+		t.Fatalf("digests %s", raw)
+	}
+	for j, v := range d.Blocks[0] {
+		if v == 0 {
+			t.Fatalf("block %d not digested: %s", j, raw)
+		}
+	}
+	var params map[string]any
+	if err := json.Unmarshal(out, &params); err != nil {
+		t.Fatal(err)
+	}
+	params[kvwire.KeyKVDigest] = kvwire.KVDigest{Alg: kvwire.KVDigestAlg, Tokens: tokens, First: []int64{0},
+		Ranks: []kvwire.RankDigest{{Blocks: d.Blocks, Regions: d.Regions}}}
+	b, err := json.Marshal(params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// slot returns token t of head h in block b of region kv of layer l.
+func (km *kvMem) slot(l, kv, b, h, tok int) []byte {
+	blk := km.block(l, kv, b)
+	off := (h*tBlockSize + tok) * tHeadDim * tElem
+	return blk[off : off+tHeadDim*tElem]
+}
+
+type digestRun struct {
+	p, d *side
+	logs *observer.ObservedLogs
+}
+
+func newDigestRun(t *testing.T, mode string) *digestRun {
+	eng := nixltest.NewEngine("t")
+	extra := map[string]any{"kv_digest": mode}
+	r := &digestRun{p: newDigestSide(t, eng, "kv_producer", "engine-p", 1, extra), d: newDigestSide(t, eng, "kv_consumer", "engine-d", 200, extra)}
+	core, logs := observer.New(zapcore.InfoLevel)
+	r.d.work.mu.Lock()
+	r.d.work.log = zap.New(core)
+	r.d.work.mu.Unlock()
+	r.logs = logs
+	return r
+}
+
+// read loads reqID's params into the decode's blocks local (a prefix hit of
+// cached blocks when local is shorter than the prefill's list) and returns
+// the results.
+func (r *digestRun) read(t *testing.T, reqID string, out []byte, local []int64, cached int64) Finished {
+	t.Helper()
+	dp := mustParams(t, string(out))
+	r.d.sched.OnNewRequest(reqID, dp)
+	if _, err := r.d.sched.UpdateStateAfterAlloc(reqID, dp, BlockIDs{local}, []int64{cached}, int64(len(local))*tBlockSize); err != nil {
+		t.Fatal(err)
+	}
+	r.d.step(t)
+	return r.d.waitFinished(t, "recv "+reqID, func(f Finished) bool { return contains(f.Recving, reqID) })
+}
+
+func (r *digestRun) mismatchLines() []observer.LoggedEntry {
+	var out []observer.LoggedEntry
+	for _, e := range r.logs.All() {
+		if strings.Contains(e.Message, "kv_digest_mismatch") {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// A READ of the blocks the prefill digested passes; the same READ after one
+// byte of one block changed (a block reassigned under the lease, a partial
+// write) fails the load under "fail", naming group, block and layer.
+func TestKVDigestCatchesAChangedBlock(t *testing.T) {
+	r := newDigestRun(t, KVDigestFail)
+	const tokens = 3*tBlockSize - 1 // the last block partly filled
+	out := withDigests(t, r.p, "req-1", []int64{3, 4, 5}, tokens, prefill(t, r.p, "req-1", []int64{3, 4, 5}, tokens))
+	f := r.read(t, "dreq-1", out, []int64{7, 8, 9}, 0)
+	if contains(f.Failed, "dreq-1") || len(r.mismatchLines()) != 0 {
+		t.Fatalf("clean READ failed: %+v %v", f, r.mismatchLines())
+	}
+
+	out = withDigests(t, r.p, "req-2", []int64{10, 11, 12}, tokens, prefill(t, r.p, "req-2", []int64{10, 11, 12}, tokens))
+	r.p.kv.slot(1, 1, 11, 1, 2)[5] ^= 0x40 // layer 1, V, block position 1, head 1, token 2
+	f = r.read(t, "dreq-2", out, []int64{13, 14, 15}, 0)
+	if !contains(f.Failed, "dreq-2") {
+		t.Fatalf("a changed byte was not caught: %+v", f)
+	}
+	lines := r.mismatchLines()
+	if len(lines) != 1 {
+		t.Fatalf("%d mismatch lines, want 1", len(lines))
+	}
+	msg := lines[0].Message
+	for _, want := range []string{"group 0 block 1 (local id 14, remote id 11", "model.layers.1.self_attn (region 3)", "dreq-2"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("mismatch line lacks %q: %s", want, msg)
+		}
+	}
+}
+
+// Only the prompt's token slots count: bytes past the prompt in its last
+// block (a step still in flight writes the next slot) are not a mismatch,
+// a byte of the last prompt token is.
+func TestKVDigestCoversPromptSlotsOnly(t *testing.T) {
+	r := newDigestRun(t, KVDigestFail)
+	const tokens = 2*tBlockSize + 2
+	out := withDigests(t, r.p, "req-1", []int64{3, 4, 5}, tokens, prefill(t, r.p, "req-1", []int64{3, 4, 5}, tokens))
+	for h := 0; h < tHeads; h++ {
+		for tok := 2; tok < tBlockSize; tok++ {
+			r.p.kv.slot(0, 0, 5, h, tok)[0] ^= 0xff
+		}
+	}
+	if f := r.read(t, "dreq-1", out, []int64{7, 8, 9}, 0); contains(f.Failed, "dreq-1") {
+		t.Fatalf("bytes past the prompt were taken for a mismatch: %v", r.mismatchLines())
+	}
+	out = withDigests(t, r.p, "req-2", []int64{10, 11, 12}, tokens, prefill(t, r.p, "req-2", []int64{10, 11, 12}, tokens))
+	r.p.kv.slot(0, 0, 12, 1, 1)[tHeadDim*tElem-1] ^= 1
+	if f := r.read(t, "dreq-2", out, []int64{13, 14, 15}, 0); !contains(f.Failed, "dreq-2") {
+		t.Fatal("a changed byte of the last prompt token was not caught")
+	}
+}
+
+// A prefix hit on the decode reads the tail: the blocks read are checked
+// (a change there fails, one in the cached head does not matter), and the
+// layer is not located.
+func TestKVDigestPartialRead(t *testing.T) {
+	r := newDigestRun(t, KVDigestFail)
+	const tokens = 3 * tBlockSize
+	out := withDigests(t, r.p, "req-1", []int64{3, 4, 5}, tokens, prefill(t, r.p, "req-1", []int64{3, 4, 5}, tokens))
+	r.p.kv.block(0, 0, 3)[0] ^= 1 // not read: cached on the decode
+	if f := r.read(t, "dreq-1", out, []int64{9}, 2); contains(f.Failed, "dreq-1") {
+		t.Fatalf("a change outside the blocks read failed the load: %v", r.mismatchLines())
+	}
+	out = withDigests(t, r.p, "req-2", []int64{10, 11, 12}, tokens, prefill(t, r.p, "req-2", []int64{10, 11, 12}, tokens))
+	r.p.kv.block(1, 0, 12)[7] ^= 1
+	if f := r.read(t, "dreq-2", out, []int64{9}, 2); !contains(f.Failed, "dreq-2") {
+		t.Fatal("a change in the block read was not caught")
+	}
+	if l := r.mismatchLines(); len(l) != 1 || !strings.Contains(l[0].Message, "group 0 block 2 (local id 9, remote id 12") || !strings.Contains(l[0].Message, "not located") {
+		t.Fatalf("mismatch lines %v", l)
+	}
+}
+
+// kv_digest verify serves the KV and counts; off reads unchecked; params
+// without digests (a stock prefill) are read unchecked and said once.
+func TestKVDigestModes(t *testing.T) {
+	const tokens = 3 * tBlockSize
+	for _, mode := range []string{KVDigestVerify, KVDigestOff} {
+		r := newDigestRun(t, mode)
+		out := withDigests(t, r.p, "req-1", []int64{3, 4, 5}, tokens, prefill(t, r.p, "req-1", []int64{3, 4, 5}, tokens))
+		r.p.kv.block(0, 1, 4)[0] ^= 1
+		if f := r.read(t, "dreq-1", out, []int64{7, 8, 9}, 0); contains(f.Failed, "dreq-1") {
+			t.Fatalf("%s: the load failed", mode)
+		}
+		want := map[string]int{KVDigestVerify: 1, KVDigestOff: 0}[mode]
+		if n := len(r.mismatchLines()); n != want {
+			t.Fatalf("%s: %d mismatch lines, want %d", mode, n, want)
+		}
+		text, _ := r.d.work.MetricsText()
+		if mode == KVDigestVerify && !strings.Contains(string(text), `gonixl_kv_digest_mismatches_total{engine_id="engine-d"} 1`) {
+			t.Fatalf("verify: mismatch not counted:\n%s", text)
+		}
+	}
+	r := newDigestRun(t, KVDigestFail)
+	for i, id := range []string{"a", "b"} {
+		out := prefill(t, r.p, "req-"+id, []int64{int64(3 + i)}, tBlockSize)
+		if f := r.read(t, "dreq-"+id, out, []int64{int64(7 + i)}, 0); contains(f.Failed, "dreq-"+id) {
+			t.Fatal("params without digests failed the load")
+		}
+	}
+	if n := r.logs.FilterMessageSnippet("reading KV unchecked").Len(); n != 1 {
+		t.Fatalf("%d 'unchecked' lines for two requests, want 1", n)
+	}
+	text, _ := r.d.work.MetricsText()
+	if !strings.Contains(string(text), `gonixl_kv_digest_unchecked_total{engine_id="engine-d"} 2`) {
+		t.Fatalf("unchecked reads not counted:\n%s", text)
+	}
+}
+
+// Malformed digests are refused by the parser with a reason, never taken.
+func TestParseKVDigestRefusesMisshapen(t *testing.T) {
+	good := kvwire.KVDigest{Alg: kvwire.KVDigestAlg, Tokens: 8, First: []int64{0}, Ranks: []kvwire.RankDigest{{Blocks: [][]uint64{{1, 2}}, Regions: [][]uint64{{3}}}}}
+	b, _ := json.Marshal(good)
+	if _, err := kvwire.ParseKVDigest(b, BlockIDs{{5, 6}}); err != nil {
+		t.Fatalf("good digest refused: %v", err)
+	}
+	for name, ids := range map[string]BlockIDs{"one block too many": {{5, 6, 7}}, "two groups": {{5, 6}, {1, 2}}} {
+		if _, err := kvwire.ParseKVDigest(b, ids); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+	for _, bad := range []string{`{"alg":"md5","tokens":8,"first":[0],"ranks":[{"blocks":["AQAAAAAAAAACAAAAAAAAAA=="],"regions":[""]}]}`,
+		`{"alg":"xxh3-64","tokens":8,"first":[0],"ranks":[{"blocks":["AQAAAAAAAAACAAAAAAAA"],"regions":[""]}]}`,
+		`{"alg":"xxh3-64","tokens":-1,"first":[0],"ranks":[]}`, `[]`} {
+		if _, err := kvwire.ParseKVDigest([]byte(bad), BlockIDs{{5, 6}}); err == nil {
+			t.Errorf("accepted %s", bad)
+		}
+	}
+}
