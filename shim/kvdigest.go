@@ -212,7 +212,7 @@ func (w *Worker) KVDigests(in []byte) ([]byte, error) {
 		return nil, withClass(ErrState, errors.New("worker is closed"))
 	}
 	if why := w.canDigestLocked(); why != "" {
-		if w.noteOnce("digest:"+why) {
+		if w.noteOnce("digest:" + why) {
 			w.log.Warn("KV digests are not taken: "+why+"; decodes read this engine's KV unchecked", zap.String("kv_digest", w.cfg.KVDigest))
 		}
 		return []byte("{}"), nil
