@@ -17,13 +17,17 @@ import (
 // newDigestSide is newSide with the token order of the test layout known
 // ([heads][tokens][head_size] per block: "head_major").
 func newDigestSide(t *testing.T, eng nixl.Engine, kvRole, id string, fill byte, extra map[string]any) *side {
+	return newDigestSideClock(t, eng, kvRole, id, fill, extra, nil)
+}
+
+func newDigestSideClock(t *testing.T, eng nixl.Engine, kvRole, id string, fill byte, extra map[string]any, clock Clock) *side {
 	t.Helper()
 	port := freePort(t)
-	s, err := NewScheduler(testConfig(t, RoleScheduler, kvRole, id, port, extra), nil)
+	s, err := NewScheduler(testConfig(t, RoleScheduler, kvRole, id, port, extra), clock)
 	if err != nil {
 		t.Fatal(err)
 	}
-	w, err := NewWorker(testConfig(t, RoleWorker, kvRole, id, port, extra), nil)
+	w, err := NewWorker(testConfig(t, RoleWorker, kvRole, id, port, extra), clock)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,9 +86,13 @@ type digestRun struct {
 }
 
 func newDigestRun(t *testing.T, mode string) *digestRun {
+	return newDigestRunClock(t, mode, nil)
+}
+
+func newDigestRunClock(t *testing.T, mode string, clock Clock) *digestRun {
 	eng := nixltest.NewEngine("t")
 	extra := map[string]any{"kv_digest": mode}
-	r := &digestRun{p: newDigestSide(t, eng, "kv_producer", "engine-p", 1, extra), d: newDigestSide(t, eng, "kv_consumer", "engine-d", 200, extra)}
+	r := &digestRun{p: newDigestSideClock(t, eng, "kv_producer", "engine-p", 1, extra, clock), d: newDigestSideClock(t, eng, "kv_consumer", "engine-d", 200, extra, clock)}
 	core, logs := observer.New(zapcore.InfoLevel)
 	r.d.work.mu.Lock()
 	r.d.work.log = zap.New(core)
@@ -244,5 +252,41 @@ func TestParseKVDigestRefusesMisshapen(t *testing.T) {
 		if _, err := kvwire.ParseKVDigest([]byte(bad), BlockIDs{{5, 6}}); err == nil {
 			t.Errorf("accepted %s", bad)
 		}
+	}
+}
+
+// The test faults of GONIXL_TEST_KV_FAULT (the end-to-end test's) are each
+// caught; requests not named for a fault are read intact.
+func TestKVFaultsAreCaught(t *testing.T) {
+	t.Setenv(EnvKVFault, "1")
+	clock := NewFakeClock(1000)
+	r := newDigestRunClock(t, KVDigestFail, clock.Now)
+	const tokens = 3 * tBlockSize
+	blocks := func(i int64) []int64 { return []int64{3 * i, 3*i + 1, 3*i + 2} }
+	for i, id := range []string{"plain", "kvfault-flip", "kvfault-tail"} {
+		out := withDigests(t, r.p, id, blocks(int64(i)), tokens, prefill(t, r.p, id, blocks(int64(i)), tokens))
+		f := r.read(t, "d-"+id, out, []int64{12, 13, 14}, 0)
+		if got, want := contains(f.Failed, "d-"+id), id != "plain"; got != want {
+			t.Fatalf("%s: failed=%v, want %v (%v)", id, got, want, r.mismatchLines())
+		}
+	}
+	// kvfault-late: the prefill frees the blocks at once and another
+	// request's KV goes there before the READ.
+	out := withDigests(t, r.p, "kvfault-late", blocks(3), tokens, prefill(t, r.p, "kvfault-late", blocks(3), tokens))
+	dp := mustParams(t, string(out))
+	r.d.sched.OnNewRequest("d-kvfault-late", dp)
+	if _, err := r.d.sched.UpdateStateAfterAlloc("d-kvfault-late", dp, BlockIDs{{12, 13, 14}}, []int64{0}, tokens); err != nil {
+		t.Fatal(err)
+	}
+	r.d.step(t)
+	r.p.waitFinished(t, "the early notification frees the prefill's blocks", func(f Finished) bool { return contains(f.Sending, "kvfault-late") })
+	copy(r.p.kv.block(0, 0, 10), r.p.kv.block(0, 0, 0)) // reassigned
+	if f := r.d.finished(t); contains(f.Recving, "d-kvfault-late") {
+		t.Fatal("the late READ did not wait")
+	}
+	clock.Advance(lateFaultDelay + 0.1)
+	f := r.d.waitFinished(t, "the late READ", func(f Finished) bool { return contains(f.Recving, "d-kvfault-late") })
+	if !contains(f.Failed, "d-kvfault-late") {
+		t.Fatalf("a READ of reassigned blocks was not caught: %+v", f)
 	}
 }

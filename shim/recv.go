@@ -37,6 +37,8 @@ type recvState struct {
 	// check: the prefill's digests of the blocks read (kvdigest.go), nil
 	// when read unchecked.
 	check *digestCheck
+	// lateAt: a kvfault-late READ waits until then (kvfault.go).
+	lateAt float64
 }
 
 type inflight struct {
@@ -175,7 +177,11 @@ func (w *Worker) readLocked(st *recvState) {
 			rm.RequestID, re.id), nil)
 		return
 	}
-	if left := w.leaseLeft(st); left < w.leaseMargin {
+	fault := w.kvFaultFor(st.id)
+	if fault == faultLate && w.lateFaultLocked(st, re, notif) {
+		return
+	}
+	if left := w.leaseLeft(st); left < w.leaseMargin && fault != faultLate {
 		// The remote's lease ends before a READ could safely complete.
 		w.stats.RecordKVExpired()
 		w.failLocked(st, "kv_lease_expired", fmt.Sprintf("the remote lease ends in %.1fs (< %.2gs safety margin; %s); not reading blocks the prefill may reuse",
@@ -187,6 +193,10 @@ func (w *Worker) readLocked(st *recvState) {
 		w.notifyRanksLocked(st, re, notif, nil, "")
 		return
 	}
+	st.check = w.digestCheckLocked(st, re, local, remote)
+	if fault == faultTail {
+		local, remote = tailFault(local, remote)
+	}
 	mk := w.xferMaker(local, remote, re.numBlocks)
 	if re.blockRatio > 1 {
 		mk = w.subBlockXferMaker(local, remote, re.numBlocks, re.blockRatio)
@@ -197,7 +207,6 @@ func (w *Worker) readLocked(st *recvState) {
 			}
 		}
 	}
-	st.check = w.digestCheckLocked(st, re, local, remote)
 	w.consumeRemoteLocked(st, readKey)
 	read := map[string]bool{}
 	// One READ per remote rank read, each carrying its notification.
@@ -599,7 +608,7 @@ func (w *Worker) pollTransfersLocked() {
 					// Complete: nothing writes the blocks any more.
 					w.logFailure("transfer_release_failed", st, "", rerr)
 				}
-				if left := w.leaseLeft(st); left <= 0 {
+				if left := w.leaseLeft(st); left <= 0 && w.kvFaultFor(st.id) != faultLate {
 					// Completed after the remote lease ended: the prefill may
 					// have freed and reused the blocks mid-read. No silent
 					// corruption: fail the load (kv_load_failure_policy).
@@ -659,6 +668,9 @@ func (w *Worker) pollTransfersLocked() {
 		}
 		if !st.report {
 			continue // notify-only: vLLM does not wait for it
+		}
+		if !st.failed && w.kvFaultFor(id) == faultFlip {
+			w.flipFaultLocked(st)
 		}
 		if !st.failed && st.check != nil && !w.verifyDigestLocked(st) {
 			st.failed = true

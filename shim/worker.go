@@ -73,6 +73,7 @@ type Worker struct {
 	blockReshape   string                  // WorkerInit.BlockReshape
 	headSize       int64                   // WorkerInit.HeadSize
 	noted          map[string]bool         // log lines printed once (noteOnce)
+	kvFaults       bool                    // EnvKVFault: test fault injection (kvfault.go)
 	kernelLayout   string                  // WorkerInit.KernelLayout
 	payload        []byte
 	compatHash     string
@@ -180,6 +181,7 @@ func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
 	if w.leaseExtend <= 0 {
 		w.leaseExtend = cfg.KVLeaseDuration * 2 / 3
 	}
+	w.kvFaults = kvFaultsFromEnv(w.log)
 	prom.registerLive(cfg.EngineID, w.Live)
 	serveMetrics(cfg, prom.reg, true, w.log)
 	return w, nil

@@ -43,3 +43,11 @@ func Sum64(spans []Span) uint64 {
 
 // Bytes is XXH3-64 of b (the same function as Sum64, over Go memory).
 func Bytes(b []byte) uint64 { return xxh3.Hash(b) }
+
+// FlipBit flips the lowest bit of the byte at addr: fault injection for the
+// KV digests' end-to-end test (shim's GONIXL_TEST_KV_FAULT), never called
+// otherwise. The caller guarantees the byte is writable.
+func FlipBit(addr uint64) {
+	b := bytesAt(Span{Addr: addr, Len: 1})
+	b[0] ^= 1
+}

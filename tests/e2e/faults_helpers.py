@@ -73,9 +73,12 @@ class Outcome:
         return f"{self.status} {msg[:160]} ({self.elapsed:.2f}s)"
 
 
-def request(url: str, body: dict, timeout: float, path: str = "/v1/completions") -> Outcome:
+def request(url: str, body: dict, timeout: float, path: str = "/v1/completions", request_id: str = "") -> Outcome:
     data = json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    if request_id:
+        headers["X-Request-Id"] = request_id  # vLLM's request id is made from it
+    req = urllib.request.Request(url + path, data=data, headers=headers)
     t0 = time.monotonic()
 
     def done(status: int, payload: Any = None, error: str = "") -> Outcome:

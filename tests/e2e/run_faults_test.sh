@@ -8,9 +8,11 @@
 #
 # Started here (at most four vLLM processes at once, for a 2-core machine):
 #   prefill           kv_producer, GoNixlConnector, a small KV cache (so that
-#                     other traffic overwrites freed blocks soon)
+#                     other traffic overwrites freed blocks soon); its params
+#                     carry KV digests (kv_digest fail, the default)
 #   decode-fail       kv_consumer, kv_load_failure_policy "fail"
 #   decode-recompute  kv_consumer, kv_load_failure_policy "recompute"
+#                     (both decodes with GONIXL_TEST_KV_FAULT=1: case f's damaged READs)
 #   baseline          aggregated vLLM without a connector
 #   proxy-fail, proxy-recompute   gonixl-proxy (toy mode): prefill -> that decode
 # All gonixl instances get kv_lease_duration, transfer_timeout and
@@ -127,10 +129,13 @@ P_CMD=(env VLLM_NIXL_SIDE_CHANNEL_PORT="$P_SIDE" "$PY" -m vllm.entrypoints.opena
        --kv-transfer-config "$(kv_config kv_producer)")
 start prefill "${P_CMD[@]}"
 P_PGID=${PIDS[-1]}
+# The decodes damage READs of requests named for it (case f, shim/kvfault.go).
+export GONIXL_TEST_KV_FAULT=1
 start_vllm decode-fail "$DF_PORT" "$DF_SIDE" "$(kv_config kv_consumer fail)"
 DF_PGID=${PIDS[-1]}
 start_vllm decode-recompute "$DR_PORT" "$DR_SIDE" "$(kv_config kv_consumer recompute)"
 DR_PGID=${PIDS[-1]}
+unset GONIXL_TEST_KV_FAULT
 e2e_baseline
 start_proxy proxy-fail "$XF_PORT" "$P_PORT" "$DF_PORT"
 start_proxy proxy-recompute "$XR_PORT" "$P_PORT" "$DR_PORT"

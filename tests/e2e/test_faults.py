@@ -30,6 +30,13 @@ the one before it):
      fails as a dead peer's, not by timeout); the decodes stay healthy; a
      new prefill on the same ports is handshaken again and serves through
      the proxies, outputs equal to the baseline, KV transferred.
+  f  KV digests: with GONIXL_TEST_KV_FAULT=1 on the decodes, a READ named
+     kvfault-flip (a bit of a block read flips), kvfault-tail (the last block
+     is left out of the READ) or kvfault-late (the prefill is told the blocks
+     were read and frees them; other prompts overwrite them; the READ comes
+     later) is caught by the prefill's digests: policy fail answers an error,
+     policy recompute the baseline's output; a request not named for a fault
+     loads its KV with no mismatch.
   c  a decode killed (SIGKILL) after the prefill answered and holds blocks
      nobody will read: the prefill frees every block at lease expiry (vLLM's
      KV-cache usage gauge back to 0 within lease + margin, not before the
@@ -258,6 +265,89 @@ def test_0_pairs_serve(env):
     t = env["summary"].tally("0 pairs serve before faults")
     for policy in POLICIES:
         pd_serves(env, policy, t)
+
+
+# ---------------------------------------------------------------------------
+# f. KV digests catch damaged READs (GONIXL_TEST_KV_FAULT=1 on the decodes,
+#    shim/kvfault.go).
+# ---------------------------------------------------------------------------
+# The decode's kvfault-late READ waits this long after it let the prefill
+# free the blocks (shim/kvfault.go lateFaultDelay): the overwrite traffic
+# below must be done by then.
+F_LATE_S = 10.0
+F_FAULTS = ("none", "flip", "tail", "late")
+
+
+def _overwrite_prefill(cfg, seed: int, until: float) -> int:
+    """Distinct 15-block prompts straight to the prefill until they have
+    allocated every block of its KV cache once over (vLLM hands out free
+    blocks in LRU order: the blocks freed last are reused last); the number
+    of blocks allocated."""
+    m = re.search(r'num_gpu_blocks="(\d+)"', fh.metrics(cfg.prefill))
+    assert m, "the prefill's /metrics has no vllm:cache_config_info num_gpu_blocks"
+    want, got, length = int(m.group(1)) + 16, [0], 15 * BLOCK
+    lock = threading.Lock()
+
+    def run(k: int) -> None:
+        rng = random.Random(seed * 10 + k)
+        while time.monotonic() < until:
+            with lock:
+                if got[0] >= want:
+                    return
+            ex = model_task.make_example(rng, length)
+            o = fh.request(cfg.prefill, fh.completion_body(MODEL, ex.prompt, max_tokens=1), CLIENT_TIMEOUT_S)
+            if o.status == 200:
+                with lock:
+                    got[0] += length // BLOCK
+
+    ths = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    assert got[0] >= want, f"the overwrite traffic allocated {got[0]} of {want} blocks before the late READ"
+    return got[0]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_f_kv_digest_catches_damaged_reads(env, policy):
+    cfg, base = env["cfg"], env["base"]
+    t = env["summary"].tally(f"f kv digest, decode-{policy}")
+    exs = fresh(env, [3 * BLOCK + 5, 4 * BLOCK + 9, 2 * BLOCK + 17, 5 * BLOCK + 1])
+    base.warm([e.prompt for e in exs])
+    log = cfg.decode_log[policy]
+    for fault, ex in zip(F_FAULTS, exs):
+        rid = f"kvfault-{fault}-{policy}-{uuid.uuid4().hex[:8]}"
+        off = fh.log_size(log)
+        pre = fh.request(cfg.prefill, fh.prefill_body(MODEL, ex.prompt), CLIENT_TIMEOUT_S)
+        assert pre.status == 200 and pre.kv_transfer_params, f"prefill: {pre.brief()}"
+        assert "gonixl_kv_digest" in pre.kv_transfer_params, sorted(pre.kv_transfer_params)
+        body = fh.completion_body(MODEL, ex.prompt, kv_transfer_params=pre.kv_transfer_params)
+        out: list[fh.Outcome] = []
+        th = threading.Thread(target=lambda: out.append(fh.request(cfg.decode[policy], body, CLIENT_TIMEOUT_S, request_id=rid)))
+        t0 = time.monotonic()
+        th.start()
+        if fault == "late":
+            told, _ = fh.wait_until(lambda: "test fault kvfault-late" in log_from(log, off), 15, 0.05)
+            assert told, "the decode never let the prefill free the blocks (kvfault-late)"
+            blocks = _overwrite_prefill(cfg, env["seed"], time.monotonic() + F_LATE_S - 1)
+            t.notes.append(f"kvfault-late: {blocks} blocks overwritten on the prefill before the READ")
+        th.join()
+        o = out[0]
+        text = log_from(log, off)
+        mismatches = [ln for ln in text.splitlines() if "NIXL transfer failure: kv_digest_mismatch" in ln and rid in ln]
+        kind = t.add(o, base(ex.prompt), f"{fault} len {len(ex.prompt)}")
+        assert kind != "wrong", f"{rid}: wrong output {o.text!r}, baseline {base(ex.prompt)!r}"
+        if fault == "none":
+            assert kind == "correct" and not fh.failure_messages(text, "kv_digest_mismatch"), f"{rid}: {o.brief()}\n{text[-2000:]}"
+            assert "reading KV unchecked" not in text, "the decode read a gonixl prefill's KV unchecked"
+            continue
+        assert len(mismatches) == 1, f"{rid}: {len(mismatches)} kv_digest_mismatch lines naming it ({o.brief()})\n{text[-3000:]}"
+        if policy == "fail":
+            assert o.status != 200, f"{rid}: the damaged load was served under kv_load_failure_policy fail: {o.brief()}"
+        else:
+            assert kind == "correct", f"{rid}: under recompute: {o.brief()} (baseline {base(ex.prompt)!r})"
+        t.notes.append(f"kvfault-{fault} caught in {time.monotonic() - t0:.1f}s: {mismatches[0][:160]}")
 
 
 # ---------------------------------------------------------------------------
