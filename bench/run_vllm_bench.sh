@@ -5,7 +5,7 @@
 # "Push vs pull").
 #
 #   bench/run_vllm_bench.sh connector   # stock NixlConnector, gonixl (nixl engine, posting off and on
-#                                       # vLLM's thread), gonixl (ucx engine)
+#                                       # vLLM's thread), gonixl (ucx engine, kv_digest on and off)
 #   bench/run_vllm_bench.sh push        # gonixl pull, gonixl push, stock pull, stock push
 #
 # Every instance loads its connector through bench/timed_connector.py (the
@@ -32,7 +32,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/../tests/e2e/lib.sh"
 
 case "$SET" in
   connector)
-    order=("stock stock nixl pull" "gonixl-nixl go nixl pull" "gonixl-nixl-inplace go nixl/inplace pull" "gonixl-ucx go ucx pull")
+    order=("stock stock nixl pull" "gonixl-nixl go nixl pull" "gonixl-nixl-inplace go nixl/inplace pull" "gonixl-ucx go ucx pull"
+           "gonixl-ucx-nodigest go ucx/nodigest pull")
     CONC=${GONIXL_BENCH_CONCURRENCY:-1,8,32}
     OUT="${GONIXL_BENCH_OUT:-$ROOT/docs/data/connector-vs-stock}" ;;
   push)
@@ -69,10 +70,13 @@ stop_all() {
 
 # kv_config IMPL ENGINE MODE ROLE: the timed class of the connector. ENGINE
 # nixl/inplace is the nixl engine posting on vLLM's thread
-# (post_off_model_thread false: the copy in start_load_kv, as stock does).
+# (post_off_model_thread false: the copy in start_load_kv, as stock does);
+# ENGINE ucx/nodigest is the ucx engine with kv_digest off (the digests'
+# cost: gonixl-ucx beside it has the default, fail).
 kv_config() {
   local impl=$1 engine=$2 mode=$3 role=$4 cls extra=""
   if [ "$engine" = nixl/inplace ]; then engine=nixl; extra=',"post_off_model_thread":false'; fi
+  if [ "$engine" = ucx/nodigest ]; then engine=ucx; extra=',"kv_digest":"off"'; fi
   if [ "$impl" = go ]; then
     [ "$mode" = push ] && cls=TimedGoNixlPushConnector || cls=TimedGoNixlConnector
     printf '{"kv_connector":"%s","kv_connector_module_path":"timed_connector","kv_role":"%s","kv_connector_extra_config":{"transfer_engine":"%s","kv_lease_duration":120%s}}' "$cls" "$role" "$engine" "$extra"

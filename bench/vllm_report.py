@@ -255,6 +255,7 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
                 ratio = _ratio(per["prefill"] + per["decode"], bper)
             rows.append([str(n), str(c), l, us(per["prefill"]), us(per["decode"]), us(per["prefill"] + per["decode"]), ratio])
     out.append(table(rows, ["prompt", "conc", "deployment", "prefill", "decode", "both", f"both ÷ {base}"]))
+    out += digest_section(labels, cases, keys)
     out += ["", "**Transfers** (vLLM's NIXL histograms, change over the case, on the instance that posted them):", ""]
     rows = []
     for n, c in keys:
@@ -296,6 +297,33 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
         out.append(f"Requests without a connector record on both instances (left out of hand-off and KV ready): {unmatched}.")
     plots(dirpath, labels, cases, keys)
     return "\n".join(out) + "\n"
+
+
+def digest_section(labels: list[str], cases: dict, keys: list[tuple[int, int]]) -> list[str]:
+    """kv_digest on (a deployment's default) against off (its -nodigest
+    twin), same run: TTFT and connector time per request (issue 33's target:
+    TTFT p50 at most 3 % higher at 1,000-token prompts)."""
+    pairs = [(l[: -len("-nodigest")], l) for l in labels if l.endswith("-nodigest") and l[: -len("-nodigest")] in labels]
+    if not pairs:
+        return []
+    out = ["", "**KV digests** (kv_digest fail, the default, ÷ kv_digest off, same run: TTFT p50 and p99, and "
+           "connector time per request on the prefill, which digests in the worker after the forward, and on "
+           "the decode, which checks after the READ):", ""]
+    rows = []
+    for n, c in keys:
+        for on, off in pairs:
+            a, b = cases.get((on, n, c)), cases.get((off, n, c))
+            if a is None or b is None or not a.ttft or not b.ttft:
+                continue
+
+            def per(cs, inst):
+                return sum(sum(cs.step.get((inst, r), [])) for r in ("scheduler", "worker")) / len(cs.ttft)
+
+            rows.append([str(n), str(c), on, f"{ms(pct(a.ttft, 0.5))} / {ms(pct(b.ttft, 0.5))} = {_ratio(pct(a.ttft, 0.5), pct(b.ttft, 0.5))}",
+                         f"{ms(pct(a.ttft, 0.99))} / {ms(pct(b.ttft, 0.99))} = {_ratio(pct(a.ttft, 0.99), pct(b.ttft, 0.99))}",
+                         f"{us(per(a, 'prefill'))} / {us(per(b, 'prefill'))}", f"{us(per(a, 'decode'))} / {us(per(b, 'decode'))}"])
+    out.append(table(rows, ["prompt", "conc", "deployment", "TTFT p50 on / off (ms)", "TTFT p99 on / off", "prefill µs / request on / off", "decode µs / request on / off"]))
+    return out
 
 
 def _mean(xs: list[float]) -> float:

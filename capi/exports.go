@@ -310,13 +310,13 @@ func gonixl_scheduler_request_finished(h C.gonixl_scheduler_t, reqID *C.char, re
 
 //export gonixl_scheduler_push_prompt_done
 func gonixl_scheduler_push_prompt_done(h C.gonixl_scheduler_t, reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t,
-	ids *C.int64_t, nids C.int64_t, lens *C.int64_t, ngroups C.int64_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	ids *C.int64_t, nids C.int64_t, lens *C.int64_t, ngroups C.int64_t, numTokens C.int64_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
 		id, p, blocks, err := requestBlocks(reqID, reqIDLen, pj, pl, ids, nids, lens, ngroups)
 		if err != nil {
 			return err
 		}
-		return s.PushPromptDone(id, p, blocks)
+		return s.PushPromptDone(id, p, blocks, int64(numTokens))
 	})
 }
 

@@ -161,12 +161,14 @@ gonixl_status_t gonixl_scheduler_request_finished(gonixl_scheduler_t h,
  * gonixl_worker_get_finished) instead of after request_finished. Until its
  * request_finished, pending_block_frees reports 1; its request_finished is
  * a push send whatever its status (finished_normally is overridden): its
- * blocks stay held until the WRITE is done. */
+ * blocks stay held until the WRITE is done. num_tokens: the prompt's tokens
+ * (the KV digests cover their slots). */
 gonixl_status_t gonixl_scheduler_push_prompt_done(gonixl_scheduler_t h, char *req_id,
                                                   size_t req_id_len, char *params_json,
                                                   size_t params_len, int64_t *block_ids,
                                                   int64_t num_block_ids, int64_t *group_lens,
-                                                  int64_t num_groups, gonixl_error_t *err);
+                                                  int64_t num_groups, int64_t num_tokens,
+                                                  gonixl_error_t *err);
 
 /* push_preempted (push mode, a prefill): the request ids vLLM preempted this
  * step (its SchedulerOutput's preempted_req_ids, a JSON array). Those

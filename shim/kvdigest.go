@@ -30,6 +30,7 @@ import (
 
 	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/nixl/memhash"
+	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
 // kv_digest settings (kv_connector_extra_config).
@@ -371,4 +372,82 @@ func (w *Worker) verifyDigestLocked(st *recvState) bool {
 	}
 	w.failLocked(st, "kv_digest_mismatch", msg+"; the load fails (kv_load_failure_policy "+w.cfg.KVLoadFailurePolicy+")", nil)
 	return false
+}
+
+// pushDigestLocked is the PushDigest a prefill sends before the WRITE of
+// ps's blocks local (pairPush's, the tail of ps.blocks) into the
+// registration's, or nil: the decode did not ask, kv_digest is off here,
+// the tp sizes differ (each rank's WRITE fills slices), the prompt's token
+// count or the KV's memory is not known.
+func (w *Worker) pushDigestLocked(ps *pushSend, re *remoteEngine, local BlockIDs) []byte {
+	if !ps.reg.WantsKVDigest || w.cfg.KVDigest == KVDigestOff || ps.tokens <= 0 || w.canDigestLocked() != "" ||
+		re.plan.ratio != 1 || re.plan.nSlots > 1 || re.blockRatio > 1 {
+		return nil
+	}
+	d := &kvwire.PushDigest{RequestID: ps.reg.RequestID, Tokens: ps.tokens, First: make([]int64, len(local)), Blocks: make([][]uint64, len(local)), Source: local}
+	for g := range local {
+		first := int64(len(ps.blocks[g]) - len(local[g]))
+		d.First[g] = first
+		d.Blocks[g], _ = w.digestBlocks(g, local[g], func(j int) int64 { return min(w.blockSize, ps.tokens-(first+int64(j))*w.blockSize) })
+	}
+	b, err := kvwire.EncodePushDigest(d)
+	if err != nil {
+		return nil
+	}
+	return b
+}
+
+// pushDigestMsgLocked takes a prefill's PushDigest for a push wait.
+func (w *Worker) pushDigestMsgLocked(from string, payload []byte) {
+	d, err := kvwire.DecodePushDigest(payload)
+	if err != nil {
+		w.log.Warn("push: malformed KV digests from a prefill; its WRITE is read unchecked", zap.String("from", from), zap.Error(err))
+		return
+	}
+	st, ok := w.recv[d.RequestID]
+	if !ok || st.push == nil || st.push.state != pushWaiting {
+		return
+	}
+	st.push.digest = d
+}
+
+// checkPushDigestLocked checks the blocks a push WRITE filled against the
+// prefill's PushDigest (verifyDigestLocked); a prefill that sent none (a
+// stock one, gonixl with kv_digest off) is read unchecked, said once.
+func (w *Worker) checkPushDigestLocked(st *recvState) {
+	if w.cfg.KVDigest == KVDigestOff {
+		return
+	}
+	d, local := st.push.digest, st.meta.LocalBlockIDs
+	why := ""
+	switch {
+	case d == nil:
+		why = "the prefill sent no KV digests before its WRITE (a stock engine, gonixl with kv_digest off, or another tp_size)"
+	case len(d.Blocks) != len(local):
+		why = "its digests do not match the registered groups"
+	case w.canDigestLocked() != "":
+		why = w.canDigestLocked()
+	}
+	for g := range local {
+		if why == "" && len(d.Blocks[g]) != len(local[g]) {
+			why = "its digests do not match the registered blocks"
+		}
+	}
+	if why != "" {
+		w.prom.digestUnchecked.Inc()
+		if w.noteOnce("unchecked:" + st.meta.Remote.EngineID + why) {
+			w.log.Warn("push: reading KV unchecked: "+why+" (logged once per engine)", zap.String("remote_engine_id", st.meta.Remote.EngineID), zap.String("request_id", st.id))
+		}
+		return
+	}
+	c := &digestCheck{local: local, remote: d.Source, want: d.Blocks, tokens: make([][]int64, len(local)), pos: make([][]int64, len(local)), whole: make([]bool, len(local))}
+	for g := range local {
+		for j := range local[g] {
+			pos := d.First[g] + int64(j)
+			c.pos[g] = append(c.pos[g], pos)
+			c.tokens[g] = append(c.tokens[g], min(w.blockSize, d.Tokens-pos*w.blockSize))
+		}
+	}
+	st.check = c
+	w.verifyDigestLocked(st)
 }

@@ -1071,7 +1071,7 @@ func (c *pyConn) pushPromptsDone(out []schedReq) bool {
 		if p == nil {
 			continue
 		}
-		if err := c.sched.PushPromptDone(r.id, p, BlockIDs{append([]int64(nil), acc...)}); err != nil {
+		if err := c.sched.PushPromptDone(r.id, p, BlockIDs{append([]int64(nil), acc...)}, 0); err != nil {
 			c.e.r.tracef("  %s: push_prompt_done(%s): %v", c.e.name, r.id, err)
 			continue
 		}

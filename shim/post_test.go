@@ -484,7 +484,7 @@ func earlyPushPosting(t *testing.T, p, d *side, pid, did string, blocks []int64)
 	if _, err := p.sched.UpdateStateAfterAlloc(pid, in, nil, []int64{0}, 0); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.sched.PushPromptDone(pid, in, BlockIDs{blocks}); err != nil {
+	if err := p.sched.PushPromptDone(pid, in, BlockIDs{blocks}, 0); err != nil {
 		t.Fatal(err)
 	}
 	p.step(t)

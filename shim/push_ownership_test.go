@@ -84,7 +84,7 @@ func TestPushAnnouncedHoldsPreemptionOff(t *testing.T) {
 	if p.sched.PendingBlockFrees() {
 		t.Fatal("pending block frees with nothing announced")
 	}
-	if err := p.sched.PushPromptDone("a", in, BlockIDs{{1, 2}}); err != nil {
+	if err := p.sched.PushPromptDone("a", in, BlockIDs{{1, 2}}, 0); err != nil {
 		t.Fatal(err)
 	}
 	if !p.sched.PendingBlockFrees() {
@@ -97,7 +97,7 @@ func TestPushAnnouncedHoldsPreemptionOff(t *testing.T) {
 		t.Fatal("still pending after request_finished")
 	}
 	// One that never finishes stops holding it off after a while.
-	if err := p.sched.PushPromptDone("b", in, BlockIDs{{3}}); err != nil {
+	if err := p.sched.PushPromptDone("b", in, BlockIDs{{3}}, 0); err != nil {
 		t.Fatal(err)
 	}
 	clock.Advance(pushAnnounceStale + 1)
@@ -117,7 +117,7 @@ func TestPushPreemptedBeforeWrite(t *testing.T) {
 		t.Fatal(err)
 	}
 	old, recomputed := []int64{1, 2}, []int64{5, 6}
-	if err := p.sched.PushPromptDone(pid, in, BlockIDs{old}); err != nil {
+	if err := p.sched.PushPromptDone(pid, in, BlockIDs{old}, 0); err != nil {
 		t.Fatal(err)
 	}
 	p.step(t)
@@ -164,7 +164,7 @@ func TestPushPreemptedWriteFenced(t *testing.T) {
 		t.Fatal(err)
 	}
 	blocks := []int64{1, 2}
-	if err := p.sched.PushPromptDone(pid, in, BlockIDs{blocks}); err != nil {
+	if err := p.sched.PushPromptDone(pid, in, BlockIDs{blocks}, 0); err != nil {
 		t.Fatal(err)
 	}
 	p.step(t)

@@ -77,6 +77,9 @@ type pushWait struct {
 	// it said its last word (or is gone).
 	ranks  map[string]bool
 	gonixl bool    // the prefill is a gonixl engine (it answers CANCEL)
+	// digest: the prefill's digests of the KV its WRITE carries
+	// (kvwire.PushDigest), checked once the WRITE completed.
+	digest *kvwire.PushDigest
 	since  float64 // holding since
 	retry  float64 // holding: next CANCEL
 	probe  float64 // holding: next probe handshake
@@ -144,7 +147,7 @@ func (w *Worker) pushRegOf(st *recvState) *kvwire.PushReg {
 		RequestID: st.id, DecodeEngineID: w.cfg.EngineID, DecodeHost: w.cfg.SideChannelHost,
 		DecodePort: w.cfg.SideChannelPort + w.cfg.DPIndex, DecodeTPSize: w.cfg.TPSize, LocalBlockIDs: st.meta.LocalBlockIDs,
 		RemoteEngineID: rm.EngineID, RemoteHost: rm.Host, RemotePort: rm.Port, RemoteTPSize: st.meta.TPSize, RemotePPSize: max(st.meta.PPSize, 1),
-		PromptDigest: st.meta.PromptDigest,
+		PromptDigest: st.meta.PromptDigest, WantsKVDigest: w.cfg.KVDigest != KVDigestOff,
 	}
 }
 
@@ -187,6 +190,9 @@ func (w *Worker) pushNotifLocked(from, msg string) bool {
 		}
 	default:
 		pw.got++
+		if pw.got >= pw.want && pw.state == pushWaiting && !st.failed {
+			w.checkPushDigestLocked(st)
+		}
 	}
 	if pw.got >= pw.want || pw.allSaid() {
 		w.endPushWaitLocked(st)

@@ -85,7 +85,7 @@ func (p *pushSched) fill(m *StepMeta) {
 // request_finished the request holds preemption off (PendingBlockFrees),
 // and request_finished reports it as a push send whatever its status, so
 // that its blocks stay held while the WRITE may read them.
-func (s *Scheduler) PushPromptDone(reqID string, p *TransferParams, blockIDs BlockIDs) (err error) {
+func (s *Scheduler) PushPromptDone(reqID string, p *TransferParams, blockIDs BlockIDs, tokens int64) (err error) {
 	defer classify(&err, ErrInvalidInput)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -99,7 +99,7 @@ func (s *Scheduler) PushPromptDone(reqID string, p *TransferParams, blockIDs Blo
 	if blockIDs.Empty() {
 		return nil
 	}
-	s.pushs.early[reqID] = &PushFinished{Blocks: blockIDs, PromptDigest: p.PromptDigest}
+	s.pushs.early[reqID] = &PushFinished{Blocks: blockIDs, PromptDigest: p.PromptDigest, Tokens: max(tokens, 0)}
 	s.pushs.announced[reqID] = s.clock()
 	return nil
 }

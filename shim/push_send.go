@@ -75,6 +75,7 @@ type pushSend struct {
 	state  pushSendState
 	blocks BlockIDs
 	digest string // its prompt's digest ("" when not known)
+	tokens int64  // its prompt's tokens (0 when not known): the KV digests' slots
 	reg    *pushReg
 	xfers  []*inflight
 	// early: announced by PushEarly, its request_finished not seen yet;
@@ -151,9 +152,12 @@ func (w *Worker) pushFinishedLocked(m *StepMeta) {
 				w.log.Warn("push: request finished with other blocks than announced; writing the finished ones", zap.String("request_id", id))
 				ps.blocks = pf.Blocks
 			}
+			if pf.Tokens > 0 {
+				ps.tokens = pf.Tokens
+			}
 			continue
 		}
-		ps := &pushSend{id: id, blocks: pf.Blocks, digest: pf.PromptDigest, computed: true, since: w.clock()}
+		ps := &pushSend{id: id, blocks: pf.Blocks, digest: pf.PromptDigest, tokens: pf.Tokens, computed: true, since: w.clock()}
 		p.sends[id] = ps
 		p.order = append(p.order, id)
 		if reg := w.takeRegLocked(id); reg != nil {
@@ -174,7 +178,7 @@ func (w *Worker) pushEarlyLocked(m *StepMeta) {
 			continue
 		}
 		pf := m.PushEarly[id]
-		ps := &pushSend{id: id, blocks: pf.Blocks, digest: pf.PromptDigest, early: true, since: now}
+		ps := &pushSend{id: id, blocks: pf.Blocks, digest: pf.PromptDigest, tokens: pf.Tokens, early: true, since: now}
 		p.sends[id] = ps
 		p.order = append(p.order, id)
 		p.computing = append(p.computing, id)
@@ -455,10 +459,19 @@ func (w *Worker) writeLocked(ps *pushSend, re *remoteEngine) {
 		w.pushSentLocked(ps)
 		return
 	}
+	digest := w.pushDigestLocked(ps, re, local)
 	mk := w.xferMakerOp(nixl.Write, local, remote, re.numBlocks)
 	for _, rr := range re.ranks {
 		if rr.list == nil {
 			continue
+		}
+		if digest != nil {
+			// Before the WRITE, on the same connection: the decode has it
+			// when the WRITE's completion comes.
+			if err := w.agent.SendNotif(rr.agent, digest); err != nil {
+				w.stats.RecordFailedNotification()
+				w.log.Warn("push: the KV digests could not be sent; the decode reads this WRITE unchecked", zap.String("request_id", ps.id), zap.Error(err))
+			}
 		}
 		// Fewer ranks here than on the decode: this rank's blocks hold
 		// several decode ranks' heads, one slot each (localListFor).

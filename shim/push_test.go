@@ -454,7 +454,7 @@ func TestPushEarlyWriteAfterTheForward(t *testing.T) {
 				if _, err := p.sched.UpdateStateAfterAlloc(pid, in, nil, []int64{0}, 0); err != nil {
 					t.Fatal(err)
 				}
-				if err := p.sched.PushPromptDone(pid, in, BlockIDs{pblocks}); err != nil {
+				if err := p.sched.PushPromptDone(pid, in, BlockIDs{pblocks}, 0); err != nil {
 					t.Fatal(err)
 				}
 				p.step(t) // the step that completes the prompt
@@ -520,14 +520,14 @@ func TestPushEarlyWriteAfterTheForward(t *testing.T) {
 // travel in the step's metadata once.
 func TestPushPromptDoneRefusals(t *testing.T) {
 	_, p, _ := pushPair(t, nil, nil)
-	if err := p.sched.PushPromptDone("r", mustParams(t, `{"do_remote_prefill": true}`), BlockIDs{{1}}); !errors.Is(err, ErrInvalidInput) {
+	if err := p.sched.PushPromptDone("r", mustParams(t, `{"do_remote_prefill": true}`), BlockIDs{{1}}, 0); !errors.Is(err, ErrInvalidInput) {
 		t.Fatalf("a decode request: %v, want invalid input", err)
 	}
 	pull := newSide(t, nixltest.NewEngine("pull"), "kv_producer", "engine-x", nil, 1, nil)
-	if err := pull.sched.PushPromptDone("r", mustParams(t, `{"do_remote_decode": true}`), BlockIDs{{1}}); !errors.Is(err, ErrInvalidInput) {
+	if err := pull.sched.PushPromptDone("r", mustParams(t, `{"do_remote_decode": true}`), BlockIDs{{1}}, 0); !errors.Is(err, ErrInvalidInput) {
 		t.Fatalf("pull mode: %v, want invalid input", err)
 	}
-	if err := p.sched.PushPromptDone("r", mustParams(t, `{"do_remote_decode": true}`), BlockIDs{{1, 2}}); err != nil {
+	if err := p.sched.PushPromptDone("r", mustParams(t, `{"do_remote_decode": true}`), BlockIDs{{1, 2}}, 0); err != nil {
 		t.Fatal(err)
 	}
 	b, err := p.sched.BuildMetaOrIdle()

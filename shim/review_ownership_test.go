@@ -89,7 +89,7 @@ func TestPushPreemptedWriteFencedBeforeTheForward(t *testing.T) {
 		t.Fatal(err)
 	}
 	blocks := []int64{1, 2}
-	if err := p.sched.PushPromptDone(pid, in, BlockIDs{blocks}); err != nil {
+	if err := p.sched.PushPromptDone(pid, in, BlockIDs{blocks}, 0); err != nil {
 		t.Fatal(err)
 	}
 	// Step N: its forward computes the prompt, then start_load_kv, then
@@ -416,7 +416,7 @@ func TestPushStaleAnnouncementPreemptedNotWritten(t *testing.T) {
 		t.Fatal(err)
 	}
 	blocks := []int64{1, 2}
-	if err := p.sched.PushPromptDone(pid, in, BlockIDs{blocks}); err != nil {
+	if err := p.sched.PushPromptDone(pid, in, BlockIDs{blocks}, 0); err != nil {
 		t.Fatal(err)
 	}
 	fill(p, blocks, 0x30)

@@ -534,7 +534,7 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 			return false, nil, err
 		}
 		if delay {
-			s.pushs.finished[reqID] = &PushFinished{Blocks: blockIDs, PromptDigest: p.PromptDigest}
+			s.pushs.finished[reqID] = &PushFinished{Blocks: blockIDs, PromptDigest: p.PromptDigest, Tokens: numComputedTokens}
 		}
 	}
 	return delay, b, nil

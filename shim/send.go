@@ -37,6 +37,9 @@ func (w *Worker) pollNotifsLocked() {
 		case strings.HasPrefix(msg, kvwire.PushCancelPrefix):
 			w.pushCancelLocked(n.Agent, n.Msg[len(kvwire.PushCancelPrefix):])
 			continue
+		case strings.HasPrefix(msg, kvwire.PushDigestPrefix):
+			w.pushDigestMsgLocked(n.Agent, n.Msg[len(kvwire.PushDigestPrefix):])
+			continue
 		case w.pushNotifLocked(n.Agent, msg):
 			continue
 		}

@@ -64,7 +64,7 @@ func freePortRun(t *testing.T, n int) int {
 	return 0
 }
 
-func testConfig(t *testing.T, role Role, kvRole, engineID string, port int, extra map[string]any) *Config {
+func testConfig(t testing.TB, role Role, kvRole, engineID string, port int, extra map[string]any) *Config {
 	t.Helper()
 	raw := map[string]any{
 		"role": role, "kv_role": kvRole, "engine_id": engineID,

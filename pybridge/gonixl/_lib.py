@@ -102,11 +102,12 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     ),
     # gonixl_status_t gonixl_scheduler_push_prompt_done(gonixl_scheduler_t h, char *req_id,
     #     size_t req_id_len, char *params_json, size_t params_len, int64_t *block_ids,
-    #     int64_t num_block_ids, int64_t *group_lens, int64_t num_groups, gonixl_error_t *err);
+    #     int64_t num_block_ids, int64_t *group_lens, int64_t num_groups, int64_t num_tokens,
+    #     gonixl_error_t *err);
     (
         "gonixl_scheduler_push_prompt_done",
         status_t,
-        [handle_t, buf, size, buf, size, i64_p, i64, i64_p, i64, error_p],
+        [handle_t, buf, size, buf, size, i64_p, i64, i64_p, i64, i64, error_p],
     ),
     # gonixl_status_t gonixl_scheduler_push_preempted(gonixl_scheduler_t h, char *req_ids_json,
     #     size_t json_len, gonixl_error_t *err);

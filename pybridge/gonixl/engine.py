@@ -246,12 +246,12 @@ class Scheduler:
         )
         return bool(mutated.value)
 
-    def push_prompt_done(self, req_id: str, params: Params, block_ids: Sequence[Sequence[int]]) -> None:
+    def push_prompt_done(self, req_id: str, params: Params, block_ids: Sequence[Sequence[int]], num_tokens: int = 0) -> None:
         """Push mode, a prefill: the step being scheduled completes this
-        request's prompt (include/gonixl.h)."""
+        request's prompt of num_tokens tokens (include/gonixl.h)."""
         r, p = req_id.encode(), _j(params)
         ids, n, lens, ng = flatten_groups(block_ids)
-        _lib.call("gonixl_scheduler_push_prompt_done", self.handle, r, len(r), p, len(p), ids, n, lens, ng)
+        _lib.call("gonixl_scheduler_push_prompt_done", self.handle, r, len(r), p, len(p), ids, n, lens, ng, num_tokens)
 
     def push_preempted(self, req_ids: Iterable[str]) -> None:
         """Push mode, a prefill: the requests vLLM preempted this step."""

@@ -847,7 +847,9 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             pj = _with_digest(params, req.prompt_token_ids, req.num_prompt_tokens)
             if pj is None:
                 pj = json.dumps(params, default=_json_default).encode()
-            done = self._per_request(req, self._scheduler().push_prompt_done, req_id, pj, self._transfer_ids(tuple(acc)))
+            done = self._per_request(
+                req, self._scheduler().push_prompt_done, req_id, pj, self._transfer_ids(tuple(acc)), req.num_prompt_tokens
+            )
             if done is not None:
                 self._sched_dirty = True
                 announced = True

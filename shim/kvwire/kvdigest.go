@@ -5,6 +5,8 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+
+	"github.com/vmihailenco/msgpack/v5"
 )
 
 // KeyKVDigest: the digests of the KV a gonixl prefill computed for the
@@ -135,6 +137,53 @@ func ParseKVDigest(data json.RawMessage, blocks BlockIDs) (*KVDigest, error) {
 			}
 		}
 		d.Ranks[i] = rd
+	}
+	return d, nil
+}
+
+// PushDigest is what follows PushDigestPrefix: a prefill rank's digests of
+// the blocks its WRITE carries into the decode's registered blocks. Block j
+// of group g is the decode's registered block j (the WRITE fills the
+// registration's blocks in order), holding prompt positions
+// (First[g]+j)*block_size up to Tokens; Blocks[g][j] as in RankDigest (0:
+// not digested), Source[g][j] the prefill's block id (for logs).
+type PushDigest struct {
+	RequestID string     `msgpack:"request_id"` // the decode's request id
+	Tokens    int64      `msgpack:"tokens"`
+	First     []int64    `msgpack:"first"`
+	Blocks    [][]uint64 `msgpack:"blocks"`
+	Source    BlockIDs   `msgpack:"source"`
+}
+
+// EncodePushDigest writes the notification, prefix included.
+func EncodePushDigest(d *PushDigest) ([]byte, error) {
+	b, err := msgpack.Marshal(d)
+	if err != nil {
+		return nil, err
+	}
+	return append([]byte(PushDigestPrefix), b...), nil
+}
+
+// DecodePushDigest parses a PushDigest (without its prefix) and checks its
+// shape: one offset and one source list per group, a digest per source block.
+func DecodePushDigest(b []byte) (*PushDigest, error) {
+	if len(b) > MaxPushRegBytes {
+		return nil, fmt.Errorf("push digest of %d bytes (limit %d)", len(b), MaxPushRegBytes)
+	}
+	if err := CheckMsgpack(b, 8); err != nil {
+		return nil, err
+	}
+	d := &PushDigest{}
+	if err := msgpack.Unmarshal(b, d); err != nil {
+		return nil, fmt.Errorf("push digest: %w", err)
+	}
+	if d.RequestID == "" || d.Tokens < 0 || len(d.First) != len(d.Blocks) || len(d.Source) != len(d.Blocks) {
+		return nil, fmt.Errorf("push digest: request %q, %d tokens, %d offsets, %d digest lists and %d source lists", d.RequestID, d.Tokens, len(d.First), len(d.Blocks), len(d.Source))
+	}
+	for g := range d.Blocks {
+		if len(d.Blocks[g]) != len(d.Source[g]) || d.First[g] < 0 {
+			return nil, fmt.Errorf("push digest: group %d: %d digests for %d blocks from position %d", g, len(d.Blocks[g]), len(d.Source[g]), d.First[g])
+		}
 	}
 	return d, nil
 }

@@ -62,7 +62,16 @@ const (
 	PushFailedPrefix    = "GONIXL_PUSH_FAILED:"    // gonixl: a prefill rank's WRITE failed and is released
 	PushCancelPrefix    = "GONIXL_PUSH_CANCEL:"    // gonixl: a decode gave up; the registration follows
 	PushCancelledPrefix = "GONIXL_PUSH_CANCELLED:" // gonixl: the prefill rank will not write
+	// PushDigestPrefix: gonixl, a prefill rank's digests of the KV its
+	// WRITE carries, sent before the WRITE to a decode that asked for them
+	// (KeyWantsKVDigest in its registration); a PushDigest follows.
+	PushDigestPrefix = "GONIXL_PUSH_DIGEST:"
 )
+
+// KeyWantsKVDigest: a gonixl decode's registration key (msgpack true) asking
+// the prefill for a PushDigest before its WRITE. Only such a decode gets
+// one: an older decode would read the message as a completion.
+const KeyWantsKVDigest = "gonixl_wants_kv_digest"
 
 // MaxPushRegBytes bounds one registration notification.
 const MaxPushRegBytes = 8 << 20
@@ -83,6 +92,9 @@ type PushReg struct {
 	// PromptDigest (gonixl's key gonixl_prompt_digest, "" from a stock
 	// decode): the digest of the decode's prompt.
 	PromptDigest string
+	// WantsKVDigest (KeyWantsKVDigest): the decode checks the WRITE against
+	// a PushDigest sent before it.
+	WantsKVDigest bool
 }
 
 // EncodePushReg writes the registration notification with vLLM's keys, in
@@ -106,6 +118,9 @@ func EncodePushReg(r *PushReg) ([]byte, error) {
 	}
 	n := 11
 	if r.PromptDigest != "" {
+		n++
+	}
+	if r.WantsKVDigest {
 		n++
 	}
 	steps := []func() error{
@@ -144,6 +159,15 @@ func EncodePushReg(r *PushReg) ([]byte, error) {
 				return nil
 			}
 			return str(KeyPromptDigest, r.PromptDigest)
+		},
+		func() error {
+			if !r.WantsKVDigest {
+				return nil
+			}
+			if err := enc.EncodeString(KeyWantsKVDigest); err != nil {
+				return err
+			}
+			return enc.EncodeBool(true)
 		},
 	}
 	for _, f := range steps {
@@ -206,6 +230,7 @@ func DecodePushReg(b []byte) (*PushReg, error) {
 			return nil, fmt.Errorf("gonixl_prompt_digest: want a short string, got %T", d)
 		}
 	}
+	r.WantsKVDigest, _ = m[KeyWantsKVDigest].(bool)
 	groups, ok := m["local_block_ids"].([]any)
 	if !ok {
 		return nil, fmt.Errorf("local_block_ids: want a list, got %T", m["local_block_ids"])

@@ -53,6 +53,9 @@ type RecvReq struct {
 type PushFinished struct {
 	Blocks       BlockIDs `msgpack:"blocks"`
 	PromptDigest string   `msgpack:"prompt_digest,omitempty"`
+	// Tokens: the prompt tokens whose KV the blocks hold (0: not known),
+	// for the KV digests sent before the WRITE.
+	Tokens int64 `msgpack:"tokens,omitempty"`
 }
 
 // HeartbeatInfo is what a decode worker needs to keep one prefill engine's
