@@ -76,7 +76,7 @@ type pushWait struct {
 	// ranks: the prefill agents the registration reached, each true once
 	// it said its last word (or is gone).
 	ranks  map[string]bool
-	gonixl bool    // the prefill is a gonixl engine (it answers CANCEL)
+	gonixl bool // the prefill is a gonixl engine (it answers CANCEL)
 	// digest: the prefill's digests of the KV its WRITE carries
 	// (kvwire.PushDigest), checked once the WRITE completed.
 	digest *kvwire.PushDigest
