@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -315,16 +316,83 @@ func (w *Worker) digestCheckLocked(st *recvState, re *remoteEngine, local, remot
 	return c
 }
 
-// verifyDigestLocked hashes the blocks st read and compares them with the
-// prefill's digests; true when the request may be reported received (no
-// mismatch, or kv_digest verify).
+// digestResult is a check's local digests, per group.
+type digestResult struct {
+	blocks, regions [][]uint64
+	err             error // the hashing goroutine panicked
+}
+
+// hashCheck hashes the local blocks of c. It reads only the registered
+// layout (fixed once registered) and the blocks, which nothing writes while
+// the connector holds them: it runs without the worker's lock.
+func (w *Worker) hashCheck(c *digestCheck) digestResult {
+	r := digestResult{blocks: make([][]uint64, len(c.local)), regions: make([][]uint64, len(c.local))}
+	for g := range c.local {
+		tok := c.tokens[g]
+		r.blocks[g], r.regions[g] = w.digestBlocks(g, c.local[g], func(j int) int64 { return tok[j] })
+	}
+	return r
+}
+
+// verifyDigestLocked hashes the blocks st read, here, and judges them
+// (judgeDigestLocked).
 func (w *Worker) verifyDigestLocked(st *recvState) bool {
+	return w.judgeDigestLocked(st, w.hashCheck(st.check))
+}
+
+// checkDoneLocked runs st's check off vLLM's thread: the first call starts
+// the hashing on a goroutine of the worker's, later ones take its result
+// once it is there. False while it runs (the request stays receiving);
+// true once judged (st.failed set under fail on a mismatch).
+func (w *Worker) checkDoneLocked(st *recvState) bool {
+	if st.checking == nil {
+		ch := make(chan digestResult, 1)
+		st.checking = ch
+		c := st.check
+		w.checks.Add(1)
+		w.goSafe("kv digest check", func(err error) { ch <- digestResult{err: err} }, func() {
+			defer w.checks.Done()
+			ch <- w.hashCheck(c)
+			// The next step polls (the worker is busy while st waits);
+			// the counter also wakes a step that would skip its call.
+			w.mu.Lock()
+			if !w.closed {
+				w.publishLocked(true)
+			}
+			w.mu.Unlock()
+		})
+		return false
+	}
+	var r digestResult
+	select {
+	case r = <-st.checking:
+	default:
+		return false
+	}
+	if r.err != nil {
+		// Not checked: under fail, not served either.
+		w.logFailure("kv_digest_mismatch", st, "the KV could not be checked: "+r.err.Error(), nil)
+		if w.cfg.KVDigest == KVDigestFail {
+			st.failed = true
+		}
+		return true
+	}
+	if !w.judgeDigestLocked(st, r) {
+		st.failed = true
+	}
+	return true
+}
+
+// judgeDigestLocked compares a check's local digests with the prefill's;
+// true when the request may be reported received (no mismatch, or
+// kv_digest verify). A mismatch is logged and counted, and under fail the
+// request is failed.
+func (w *Worker) judgeDigestLocked(st *recvState, r digestResult) bool {
 	c := st.check
 	var bad []string
 	checked := 0
 	for g := range c.local {
-		tok := c.tokens[g]
-		got, regions := w.digestBlocks(g, c.local[g], func(j int) int64 { return tok[j] })
+		got, regions := r.blocks[g], r.regions[g]
 		var badBlocks []int
 		for k, want := range c.want[g] {
 			if want == 0 || got[k] == 0 {
@@ -450,4 +518,18 @@ func (w *Worker) checkPushDigestLocked(st *recvState) {
 	}
 	st.check = c
 	w.verifyDigestLocked(st)
+}
+
+// waitChecksForClose waits, without the lock, for the checks still hashing
+// (they read KV-cache memory the caller may free after Close).
+func (w *Worker) waitChecksForClose() {
+	done := make(chan struct{})
+	go func() { w.checks.Wait(); close(done) }()
+	w.mu.Unlock()
+	defer w.mu.Lock()
+	select {
+	case <-done:
+	case <-time.After(closePostWait):
+		w.log.Warn("closing with a KV digest check still running after the wait", zap.Duration("waited", closePostWait))
+	}
 }

@@ -39,6 +39,9 @@ type recvState struct {
 	check *digestCheck
 	// lateAt: a kvfault-late READ waits until then (kvfault.go).
 	lateAt float64
+	// checking: the hashing of the blocks read, once every READ completed
+	// (kvdigest.go checkDoneLocked).
+	checking chan digestResult
 }
 
 type inflight struct {
@@ -658,6 +661,14 @@ func (w *Worker) pollTransfersLocked() {
 		if len(st.xfers) > 0 {
 			continue
 		}
+		if st.report && !st.failed && st.check != nil {
+			if st.checking == nil && w.kvFaultFor(id) == faultFlip {
+				w.flipFaultLocked(st)
+			}
+			if !w.checkDoneLocked(st) {
+				continue // its blocks are being hashed (kvdigest.go)
+			}
+		}
 		delete(w.recv, id)
 		w.floors.Drop(st.meta.Remote.RequestID)
 		if st.remote != nil {
@@ -668,12 +679,6 @@ func (w *Worker) pollTransfersLocked() {
 		}
 		if !st.report {
 			continue // notify-only: vLLM does not wait for it
-		}
-		if !st.failed && w.kvFaultFor(id) == faultFlip {
-			w.flipFaultLocked(st)
-		}
-		if !st.failed && st.check != nil && !w.verifyDigestLocked(st) {
-			st.failed = true
 		}
 		w.done.Recving = append(w.done.Recving, id)
 		if st.failed {

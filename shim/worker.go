@@ -74,6 +74,7 @@ type Worker struct {
 	headSize       int64                   // WorkerInit.HeadSize
 	noted          map[string]bool         // log lines printed once (noteOnce)
 	kvFaults       bool                    // EnvKVFault: test fault injection (kvfault.go)
+	checks         sync.WaitGroup          // KV digest checks hashing off the lock (kvdigest.go)
 	kernelLayout   string                  // WorkerInit.KernelLayout
 	payload        []byte
 	compatHash     string
@@ -465,6 +466,7 @@ func (w *Worker) Close() error {
 	// No handle is released under a post (post.go): the poster ends
 	// after its batch.
 	w.waitPosterForClose()
+	w.waitChecksForClose()
 	if w.evictTimer != nil {
 		w.evictTimer.Stop()
 	}
