@@ -24,7 +24,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -132,10 +134,55 @@ func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blo
 	regs := w.groupRegions(g)
 	blocks = make([]uint64, len(ids))
 	regions = make([]uint64, len(regs))
+	// Blocks split in contiguous shares, one goroutine each beyond the
+	// first (the caller's): a prefill hashes on vLLM's thread, whose other
+	// cores are idle after the forward.
+	var bytes uint64
+	for _, ri := range regs {
+		bytes += w.layout.Regions[ri].Len
+	}
+	par := min(runtime.GOMAXPROCS(0), maxDigestThreads, len(ids))
+	if bytes*uint64(len(ids)) < digestParallelBytes {
+		par = 1
+	}
+	sums := make([][]uint64, par)
+	var wg sync.WaitGroup
+	for p := range par {
+		lo, hi := p*len(ids)/par, (p+1)*len(ids)/par
+		sums[p] = make([]uint64, len(regs))
+		if p == 0 {
+			continue
+		}
+		wg.Add(1)
+		w.goSafe("kv digest", nil, func() {
+			defer wg.Done()
+			w.digestRange(regs, ids[lo:hi], lo, tokens, blocks[lo:hi], sums[p])
+		})
+	}
+	w.digestRange(regs, ids[:len(ids)/par], 0, tokens, blocks[:len(ids)/par], sums[0])
+	wg.Wait()
+	for _, s := range sums {
+		for k, v := range s {
+			regions[k] += v
+		}
+	}
+	return blocks, regions
+}
+
+// Hashing in parallel: at most maxDigestThreads goroutines, and only for
+// more than digestParallelBytes (a goroutine's start costs microseconds).
+const (
+	maxDigestThreads    = 4
+	digestParallelBytes = 4 << 20
+)
+
+// digestRange hashes blocks ids (block j of the group's list is ids[j-lo]),
+// writing their digests to out and adding each region's hashes to sums.
+func (w *Worker) digestRange(regs []int, ids []int64, lo int, tokens func(j int) int64, out, sums []uint64) {
 	hashes := make([]byte, 8*len(regs))
 	var spans []memhash.Span
-	for j, id := range ids {
-		m := tokens(j)
+	for i, id := range ids {
+		m := tokens(lo + i)
 		if m <= 0 || id < 0 {
 			continue
 		}
@@ -152,18 +199,16 @@ func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blo
 			for _, ru := range runs {
 				spans = append(spans, memhash.Span{Addr: base + ru.off, Len: ru.n})
 			}
-			h := memhash.Sum64(spans)
-			binary.LittleEndian.PutUint64(hashes[8*k:], h)
+			binary.LittleEndian.PutUint64(hashes[8*k:], memhash.Sum64(spans))
 		}
 		if !ok {
 			continue
 		}
 		for k := range regs {
-			regions[k] += binary.LittleEndian.Uint64(hashes[8*k:])
+			sums[k] += binary.LittleEndian.Uint64(hashes[8*k:])
 		}
-		blocks[j] = digestOf(hashes)
+		out[i] = digestOf(hashes)
 	}
-	return blocks, regions
 }
 
 // digestOf is a block's digest from its region hashes, never 0 (0 means
