@@ -983,17 +983,24 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         why = ""
         if sorted(ranks) != list(range(tp)) or len(adv) != len(blocks):
             why = f"digests of ranks {sorted(ranks)} for tp_size {tp}, {len(blocks)} groups for {len(adv)}"
+        # Block j of the params' list g sits at prompt position first[g] + j:
+        # the ids digested there say where the run starts. An id not
+        # digested at its place (a sliding-window group's null block, a
+        # block past the prompt) gets digest 0, not checked.
         first: list[int] = []
         whole: list[bool] = []
+        place: list[list[Optional[int]]] = []
         for g, ids in enumerate(adv if not why else ()):
             pos_of = {b: j for j, b in enumerate(blocks[g]) if b >= 0}
-            pos = [pos_of.get(b) for b in ids]
-            start = pos[0] if pos else 0
-            if start is None or any(p != start + k for k, p in enumerate(pos)):
-                why = f"group {g}: the params' blocks are not a run of the prompt's"
+            starts = {pos_of[b] - k for k, b in enumerate(ids) if b in pos_of}
+            if len(starts) > 1:
+                why = f"group {g}: the params' blocks {list(ids)[:12]} are not a run of the prompt's {blocks[g][:40]}"
                 break
+            start = starts.pop() if starts else 0
+            at = [start + k if 0 <= start + k < len(blocks[g]) and blocks[g][start + k] == b else None for k, b in enumerate(ids)]
             first.append(start)
-            whole.append(start == 0 and len(ids) == len(pos_of))
+            place.append(at)
+            whole.append(start == 0 and len(ids) == len(pos_of) and None not in at)
         if why:
             if not self._warned_digest:
                 self._warned_digest = True
@@ -1004,7 +1011,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             d = ranks[r]
             out.append(
                 {
-                    "blocks": [_pack_u64(d["blocks"][g][first[g] : first[g] + len(adv[g])]) for g in range(len(adv))],
+                    "blocks": [_pack_u64([0 if j is None else d["blocks"][g][j] for j in place[g]]) for g in range(len(adv))],
                     "regions": [_pack_u64(d["regions"][g]) if whole[g] else "" for g in range(len(adv))],
                 }
             )

@@ -105,6 +105,7 @@ class ComboRun:
     log_problems: dict[str, list[str]]
     log_notes: dict[str, int]
     cache_reset: dict[str, bool]
+    unchecked: int = 0  # the decode's "reading KV unchecked" lines (KV digests)
 
 
 def instance(combo: str, side: str) -> dict:
@@ -233,6 +234,7 @@ def run(request, examples, reference) -> ComboRun:
     for i in (prefill, decode):
         log_problems[i["name"]], log_notes[i["name"]] = scan_log(read_from(i["log"], offsets[i["name"]]))
     r = ComboRun(combo, texts, errors, local_compute, external, seconds, latencies, log_problems, log_notes, cache_reset)
+    r.unchecked = read_from(decode["log"], offsets[decode["name"]]).count("reading KV unchecked")
 
     matches = sum(1 for t, e, b in zip(texts, errors, reference.texts) if not e and t == b)
     want = sum(t for t in reference.prompt_tokens if t > 1)
@@ -270,6 +272,21 @@ def test_decode_loaded_kv_over_the_wire(run, reference):
     ones = sum(1 for t in reference.prompt_tokens if t == 1)
     assert run.external >= want, f"{run.combo}: decode loaded {run.external:.0f} prompt tokens from the prefill, want >= {want}"
     assert run.local_compute <= ones, f"{run.combo}: decode computed {run.local_compute:.0f} prompt tokens itself, want <= {ones}"
+
+
+def _tp(kind: str) -> int:
+    """The tp_size of an instance kind (go, stock, ux2, stock1, dp2: DP 2 of TP 1)."""
+    return int(kind[-1]) if kind[-1].isdigit() and not kind.startswith("dp") else 1
+
+
+def test_kv_digests_checked(run):
+    """Between gonixl engines of the same tp_size and block size the decode
+    checks every transfer against the prefill's KV digests: it never says
+    it read unchecked (from a stock prefill it does, once per engine)."""
+    p, d = run.combo.split("-")
+    if p.startswith("stock") or d.startswith("stock") or _tp(p) != _tp(d) or os.environ.get("GONIXL_E2E_DECODE_BLOCK_SIZE"):
+        return  # unchecked by design (README's geometry table), or a stock decode
+    assert run.unchecked == 0, f"{run.combo}: the decode read a gonixl prefill's KV unchecked ({run.unchecked} lines)"
 
 
 def test_logs_clean(run):
