@@ -27,7 +27,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
-	"time"
+	"sync/atomic"
 
 	"go.uber.org/zap"
 
@@ -129,8 +129,9 @@ var errDigestLayout = errors.New("the token order inside a block of this KV-cach
 // digestBlocks hashes blocks ids of group g, block j holding tokens(j)
 // prompt tokens: per block the digest, and per region of the group the
 // wrapping sum of its hashes. A block it cannot hash gets digest 0 (not
-// checked); the caller has checked ids against the layout.
-func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blocks, regions []uint64) {
+// checked); the caller has checked ids against the layout. ok is false
+// when a hashing goroutine panicked: nothing of the result may be used.
+func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blocks, regions []uint64, ok bool) {
 	regs := w.groupRegions(g)
 	blocks = make([]uint64, len(ids))
 	regions = make([]uint64, len(regs))
@@ -147,6 +148,7 @@ func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blo
 	}
 	sums := make([][]uint64, par)
 	var wg sync.WaitGroup
+	var panicked atomic.Bool
 	for p := range par {
 		lo, hi := p*len(ids)/par, (p+1)*len(ids)/par
 		sums[p] = make([]uint64, len(regs))
@@ -154,8 +156,10 @@ func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blo
 			continue
 		}
 		wg.Add(1)
-		w.goSafe("kv digest", nil, func() {
-			defer wg.Done()
+		var once sync.Once
+		done := func() { once.Do(wg.Done) }
+		w.goSafe("kv digest", func(error) { panicked.Store(true); done() }, func() {
+			defer done()
 			w.digestRange(regs, ids[lo:hi], lo, tokens, blocks[lo:hi], sums[p])
 		})
 	}
@@ -166,7 +170,7 @@ func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blo
 			regions[k] += v
 		}
 	}
-	return blocks, regions
+	return blocks, regions, !panicked.Load()
 }
 
 // Hashing in parallel: at most maxDigestThreads goroutines, and only for
@@ -274,9 +278,15 @@ func (w *Worker) KVDigests(in []byte) ([]byte, error) {
 			return nil, withClass(ErrInvalidInput, fmt.Errorf("kv digests: request %s: %w", r.ID, err))
 		}
 		d := DigestOut{Blocks: make([][]uint64, ng), Regions: make([][]uint64, ng)}
+		ok := true
 		for g, ids := range r.Blocks {
 			n := r.Tokens
-			d.Blocks[g], d.Regions[g] = w.digestBlocks(g, ids, func(j int) int64 { return min(w.blockSize, n-int64(j)*w.blockSize) })
+			var gok bool
+			d.Blocks[g], d.Regions[g], gok = w.digestBlocks(g, ids, func(j int) int64 { return min(w.blockSize, n-int64(j)*w.blockSize) })
+			ok = ok && gok
+		}
+		if !ok {
+			continue // no digests: read unchecked (the panic is logged and counted)
 		}
 		out[r.ID] = d
 	}
@@ -347,6 +357,8 @@ func (w *Worker) digestCheckLocked(st *recvState, re *remoteEngine, local, remot
 		adv := st.meta.Remote.BlockIDs[g]
 		skip := len(adv) - len(local[g])
 		if skip < 0 || len(rd.Blocks[g]) != len(adv) {
+			w.prom.digestUnchecked.Inc()
+			w.log.Warn("reading KV unchecked: its digests do not match the blocks read", zap.String("remote_engine_id", re.id), zap.String("request_id", st.id), zap.Int("group", g))
 			return nil
 		}
 		c.whole[g] = skip == 0
@@ -374,7 +386,10 @@ func (w *Worker) hashCheck(c *digestCheck) digestResult {
 	r := digestResult{blocks: make([][]uint64, len(c.local)), regions: make([][]uint64, len(c.local))}
 	for g := range c.local {
 		tok := c.tokens[g]
-		r.blocks[g], r.regions[g] = w.digestBlocks(g, c.local[g], func(j int) int64 { return tok[j] })
+		var ok bool
+		if r.blocks[g], r.regions[g], ok = w.digestBlocks(g, c.local[g], func(j int) int64 { return tok[j] }); !ok {
+			r.err = errors.New("a hashing goroutine panicked")
+		}
 	}
 	return r
 }
@@ -382,7 +397,7 @@ func (w *Worker) hashCheck(c *digestCheck) digestResult {
 // verifyDigestLocked hashes the blocks st read, here, and judges them
 // (judgeDigestLocked).
 func (w *Worker) verifyDigestLocked(st *recvState) bool {
-	return w.judgeDigestLocked(st, w.hashCheck(st.check))
+	return w.takeCheckLocked(st, w.hashCheck(st.check))
 }
 
 // checkDoneLocked runs st's check off vLLM's thread: the first call starts
@@ -391,20 +406,31 @@ func (w *Worker) verifyDigestLocked(st *recvState) bool {
 // true once judged (st.failed set under fail on a mismatch).
 func (w *Worker) checkDoneLocked(st *recvState) bool {
 	if st.checking == nil {
+		if w.closed {
+			return false
+		}
 		ch := make(chan digestResult, 1)
 		st.checking = ch
 		c := st.check
 		w.checks.Add(1)
-		w.goSafe("kv digest check", func(err error) { ch <- digestResult{err: err} }, func() {
-			defer w.checks.Done()
+		var once sync.Once
+		done := func() { once.Do(w.checks.Done) }
+		w.goSafe("kv digest check", func(err error) {
+			select { // a result already sent stands
+			case ch <- digestResult{err: err}:
+			default:
+			}
+			done()
+		}, func() {
+			defer done()
 			ch <- w.hashCheck(c)
 			// The next step polls (the worker is busy while st waits);
 			// the counter also wakes a step that would skip its call.
 			w.mu.Lock()
+			defer w.mu.Unlock()
 			if !w.closed {
 				w.publishLocked(true)
 			}
-			w.mu.Unlock()
 		})
 		return false
 	}
@@ -414,18 +440,24 @@ func (w *Worker) checkDoneLocked(st *recvState) bool {
 	default:
 		return false
 	}
-	if r.err != nil {
-		// Not checked: under fail, not served either.
-		w.logFailure("kv_digest_mismatch", st, "the KV could not be checked: "+r.err.Error(), nil)
-		if w.cfg.KVDigest == KVDigestFail {
-			st.failed = true
-		}
-		return true
-	}
-	if !w.judgeDigestLocked(st, r) {
+	if !w.takeCheckLocked(st, r) {
 		st.failed = true
 	}
 	return true
+}
+
+// takeCheckLocked judges a check's result; one whose hashing failed is
+// not served under fail either (it could not be checked).
+func (w *Worker) takeCheckLocked(st *recvState, r digestResult) bool {
+	if r.err != nil {
+		if w.cfg.KVDigest == KVDigestFail {
+			w.failLocked(st, "kv_digest_mismatch", "the KV could not be checked: "+r.err.Error()+"; the load fails (kv_load_failure_policy "+w.cfg.KVLoadFailurePolicy+")", nil)
+			return false
+		}
+		w.logFailure("kv_digest_mismatch", st, "the KV could not be checked: "+r.err.Error()+"; served anyway (kv_digest verify)", nil)
+		return true
+	}
+	return w.judgeDigestLocked(st, r)
 }
 
 // judgeDigestLocked compares a check's local digests with the prefill's;
@@ -501,7 +533,10 @@ func (w *Worker) pushDigestLocked(ps *pushSend, re *remoteEngine, local BlockIDs
 	for g := range local {
 		first := int64(len(ps.blocks[g]) - len(local[g]))
 		d.First[g] = first
-		d.Blocks[g], _ = w.digestBlocks(g, local[g], func(j int) int64 { return min(w.blockSize, ps.tokens-(first+int64(j))*w.blockSize) })
+		var ok bool
+		if d.Blocks[g], _, ok = w.digestBlocks(g, local[g], func(j int) int64 { return min(w.blockSize, ps.tokens-(first+int64(j))*w.blockSize) }); !ok {
+			return nil // the WRITE goes unchecked (the panic is logged and counted)
+		}
 	}
 	b, err := kvwire.EncodePushDigest(d)
 	if err != nil {
@@ -510,15 +545,12 @@ func (w *Worker) pushDigestLocked(ps *pushSend, re *remoteEngine, local BlockIDs
 	return b
 }
 
-// pushDigestMsgLocked takes a prefill's PushDigest for a push wait.
-func (w *Worker) pushDigestMsgLocked(from string, payload []byte) {
+// pushDigestMsgLocked takes the PushDigest a prefill's WRITE completion
+// carried for st.
+func (w *Worker) pushDigestMsgLocked(st *recvState, payload []byte) {
 	d, err := kvwire.DecodePushDigest(payload)
-	if err != nil {
-		w.log.Warn("push: malformed KV digests from a prefill; its WRITE is read unchecked", zap.String("from", from), zap.Error(err))
-		return
-	}
-	st, ok := w.recv[d.RequestID]
-	if !ok || st.push == nil || st.push.state != pushWaiting {
+	if err != nil || d.RequestID != st.id {
+		w.log.Warn("push: malformed KV digests from a prefill; its WRITE is read unchecked", zap.String("request_id", st.id), zap.Error(err))
 		return
 	}
 	st.push.digest = d
@@ -565,16 +597,12 @@ func (w *Worker) checkPushDigestLocked(st *recvState) {
 	w.verifyDigestLocked(st)
 }
 
-// waitChecksForClose waits, without the lock, for the checks still hashing
-// (they read KV-cache memory the caller may free after Close).
+// waitChecksForClose waits, without the lock, for the checks still hashing:
+// they read KV-cache memory the caller may free after Close, so there is
+// no giving up (a check is milliseconds of hashing; none starts once
+// closed).
 func (w *Worker) waitChecksForClose() {
-	done := make(chan struct{})
-	go func() { w.checks.Wait(); close(done) }()
 	w.mu.Unlock()
 	defer w.mu.Lock()
-	select {
-	case <-done:
-	case <-time.After(closePostWait):
-		w.log.Warn("closing with a KV digest check still running after the wait", zap.Duration("waited", closePostWait))
-	}
+	w.checks.Wait()
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -346,11 +347,10 @@ func (km *kvMem) flipAt(addr uint64) bool {
 	return false
 }
 
-// Push: the prefill sends its digests of the blocks it WRITEs before the
-// WRITE (to a decode that asks, in its registration); the decode checks
-// the filled blocks when the WRITE's completion comes. Bytes that change
-// between the digest and the copy fail the load; a decode with kv_digest
-// off does not ask and the prefill sends nothing.
+// Push: the prefill sends its digests of the blocks it WRITEs in the
+// WRITE's completion notification (to a decode that asks, in its
+// registration); the decode checks the filled blocks when it comes. Bytes
+// that change between the digest and the copy fail the load.
 func TestPushKVDigest(t *testing.T) {
 	eng, p, d := pushPair(t, nil, nil)
 	run := func(n int) Finished {
@@ -361,8 +361,8 @@ func TestPushKVDigest(t *testing.T) {
 	}
 	var digests int
 	eng.SetNotifHook(func(_, _ string, msg []byte) bool {
-		if strings.HasPrefix(string(msg), kvwire.PushDigestPrefix) {
-			digests++
+		if strings.Contains(string(msg), "\x00"+kvwire.PushDigestPrefix) {
+			digests++ // in the WRITE's completion notification
 		}
 		return false
 	})
@@ -380,5 +380,29 @@ func TestPushKVDigest(t *testing.T) {
 	})
 	if f := run(2); len(f.Failed) != 1 {
 		t.Fatalf("a byte changed on the way was not caught: %+v", f)
+	}
+}
+
+// A check whose hashing goroutine panics fails the load under fail (it
+// was not checked) and leaves nothing waiting: the worker still closes.
+func TestKVDigestCheckPanicFailsTheLoad(t *testing.T) {
+	r := newDigestRun(t, KVDigestFail)
+	const tokens = 3 * tBlockSize
+	out := withDigests(t, r.p, "req-1", []int64{3, 4, 5}, tokens, prefill(t, r.p, "req-1", []int64{3, 4, 5}, tokens))
+	testPanicHook = func(what string) {
+		if what == "kv digest check" {
+			panic("test: the check's goroutine")
+		}
+	}
+	defer func() { testPanicHook = nil }()
+	if f := r.read(t, "dreq-1", out, []int64{7, 8, 9}, 0); !contains(f.Failed, "dreq-1") {
+		t.Fatalf("a check that never ran served the load: %+v", f)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- r.d.work.Close() }()
+	select {
+	case <-closed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close waits for a check that panicked")
 	}
 }

@@ -993,7 +993,7 @@ func ownerOf(e *mEngine, blocks []int64) string {
 }
 
 func notifReqID(notif []byte) string {
-	s := string(notif)
+	s, _ := kvwire.SplitPushDigest(string(notif)) // a WRITE's KV digests ride after a NUL
 	if i := strings.LastIndexByte(s, ':'); i > 0 {
 		return s[:i]
 	}

@@ -154,6 +154,7 @@ func (w *Worker) pushRegOf(st *recvState) *kvwire.PushReg {
 // pushNotifLocked takes a decode-side push notification (a WRITE's
 // completion or a gonixl prefill's last word); false if it is not one.
 func (w *Worker) pushNotifLocked(from, msg string) bool {
+	msg, digest := kvwire.SplitPushDigest(msg)
 	id, word := kvwire.ParsePushWord(msg)
 	if word == kvwire.PushNotAWord {
 		return false
@@ -190,6 +191,9 @@ func (w *Worker) pushNotifLocked(from, msg string) bool {
 		}
 	default:
 		pw.got++
+		if digest != nil {
+			w.pushDigestMsgLocked(st, digest)
+		}
 		if pw.got >= pw.want && pw.state == pushWaiting && !st.failed {
 			w.checkPushDigestLocked(st)
 		}

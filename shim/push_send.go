@@ -459,19 +459,15 @@ func (w *Worker) writeLocked(ps *pushSend, re *remoteEngine) {
 		w.pushSentLocked(ps)
 		return
 	}
-	digest := w.pushDigestLocked(ps, re, local)
+	if digest := w.pushDigestLocked(ps, re, local); digest != nil {
+		// In the WRITE's own completion notification (only a decode that
+		// asked gets this form): it arrives with the data, never apart.
+		notif = kvwire.WithPushDigest(notif, digest)
+	}
 	mk := w.xferMakerOp(nixl.Write, local, remote, re.numBlocks)
 	for _, rr := range re.ranks {
 		if rr.list == nil {
 			continue
-		}
-		if digest != nil {
-			// Before the WRITE, on the same connection: the decode has it
-			// when the WRITE's completion comes.
-			if err := w.agent.SendNotif(rr.agent, digest); err != nil {
-				w.stats.RecordFailedNotification()
-				w.log.Warn("push: the KV digests could not be sent; the decode reads this WRITE unchecked", zap.String("request_id", ps.id), zap.Error(err))
-			}
 		}
 		// Fewer ranks here than on the decode: this rank's blocks hold
 		// several decode ranks' heads, one slot each (localListFor).

@@ -37,9 +37,6 @@ func (w *Worker) pollNotifsLocked() {
 		case strings.HasPrefix(msg, kvwire.PushCancelPrefix):
 			w.pushCancelLocked(n.Agent, n.Msg[len(kvwire.PushCancelPrefix):])
 			continue
-		case strings.HasPrefix(msg, kvwire.PushDigestPrefix):
-			w.pushDigestMsgLocked(n.Agent, n.Msg[len(kvwire.PushDigestPrefix):])
-			continue
 		case w.pushNotifLocked(n.Agent, msg):
 			continue
 		}

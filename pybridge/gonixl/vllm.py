@@ -525,6 +525,24 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             and ktc.kv_role != "kv_consumer"
             and self._kv_digest != "off"
         )
+        if self._digest_ok:
+            from vllm.platforms import current_platform
+
+            # Not digested (the decode reads unchecked, and says so): KV in
+            # device memory (the hash kernel is not built), several pipeline
+            # stages (a tp rank's digests would be one stage's), and a
+            # speculative config (the draft model's KV layers are written
+            # after get_transfer_results, where the digests are taken).
+            why = ""
+            if current_platform.device_type != "cpu" and not self._staging:
+                why = "the KV cache is in device memory"
+            elif vllm_config.parallel_config.pipeline_parallel_size > 1:
+                why = "pipeline_parallel_size > 1"
+            elif vllm_config.speculative_config is not None:
+                why = "speculative decoding is configured"
+            if why:
+                self._digest_ok = False
+                logger.info("GoNixlConnector: no KV digests are taken on this prefill (%s); decodes read its KV unchecked", why)
         self._digest_watch: dict[str, tuple["Request", list[list[int]]]] = {}
         self._digest_sent: dict[str, tuple[int, list[list[int]]]] = {}
         self._digest_waiting: dict[str, dict[str, Any]] = {}  # params of this step's finished requests
@@ -741,7 +759,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             self._push_early_seen.add(request.request_id)
             self._push_early[request.request_id] = (request, [])
         if self._digest_ok and params.get("do_remote_decode") and request.request_id not in self._digest_watch:
+            # Watched afresh (also after a preemption): digests of an earlier
+            # computation of this prompt would not match its KV now.
             self._digest_watch[request.request_id] = (request, [])
+            self._digest_sent.pop(request.request_id, None)
+            self._digest_early.pop(request.request_id, None)
         push_register = self._TRANSFER_MODE == "push" and num_external_tokens > 0 and bool(params.get("do_remote_prefill"))
         if push_register:
             # The registration carries this prompt's digest: the prefill
@@ -889,6 +911,13 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if self._digest_waiting:
             # The last step's update_connector_output never came: read unchecked.
             self._take_digests(None)
+        if self._digest_sent or self._digest_watch:
+            for rid in scheduler_output.preempted_req_ids or ():
+                # Freed and recomputed later: its digests (taken or asked
+                # for) are of KV that is gone.
+                self._digest_watch.pop(rid, None)
+                self._digest_sent.pop(rid, None)
+                self._digest_early.pop(rid, None)
         digest = self._digest_prompts_done(scheduler_output) if self._digest_watch else None
         if self._sched_dirty or (self._sched_due is not None and time.monotonic() >= self._sched_due):
             # The library answers b"" for an idle step (no work, no timer
@@ -1228,12 +1257,18 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if isinstance(meta, GoNixlConnectorMetadata) and meta.digest:
             # After the forward that completed these prompts (and host
-            # staging's save): their KV is final; digested before the step's
-            # outputs, and so the params, leave.
-            if self._kv_on_cuda and self._host is None:
-                torch.cuda.synchronize()
+            # staging's save, which waits for its copies): their KV is final;
+            # digested before the step's outputs, and so the params, leave.
+            try:
+                got = self._work().kv_digest(meta.digest)
+            except errors.GoNixlError as e:
+                # Never vLLM's forward's failure: the requests go unchecked.
+                got = {}
+                if not self._warned_digest:
+                    self._warned_digest = True
+                    logger.warning("GoNixlConnector: KV digests failed (%s); these requests are read unchecked (logged once)", e)
             rank = self._rank
-            for rid, d in self._work().kv_digest(meta.digest).items():
+            for rid, d in got.items():
                 self._digests[rid] = {rank: d}
         if self._kv_on_cuda:
             meta = self._connector_metadata

@@ -63,8 +63,9 @@ const (
 	PushCancelPrefix    = "GONIXL_PUSH_CANCEL:"    // gonixl: a decode gave up; the registration follows
 	PushCancelledPrefix = "GONIXL_PUSH_CANCELLED:" // gonixl: the prefill rank will not write
 	// PushDigestPrefix: gonixl, a prefill rank's digests of the KV its
-	// WRITE carries, sent before the WRITE to a decode that asked for them
-	// (KeyWantsKVDigest in its registration); a PushDigest follows.
+	// WRITE carries, after a NUL at the end of the WRITE's completion
+	// notification to a decode that asked for them (KeyWantsKVDigest in its
+	// registration); a PushDigest follows (WithPushDigest).
 	PushDigestPrefix = "GONIXL_PUSH_DIGEST:"
 )
 
@@ -289,6 +290,23 @@ const (
 	PushFailed                    // PushFailedPrefix
 	PushCancelled                 // PushCancelledPrefix
 )
+
+// WithPushDigest appends an encoded PushDigest (EncodePushDigest's, prefix
+// included) to a WRITE's completion notification, after a NUL.
+func WithPushDigest(notif, digest []byte) []byte {
+	out := make([]byte, 0, len(notif)+1+len(digest))
+	out = append(append(append(out, notif...), 0), digest...)
+	return out
+}
+
+// SplitPushDigest separates a completion notification from the PushDigest
+// payload WithPushDigest appended (nil when there is none).
+func SplitPushDigest(msg string) (string, []byte) {
+	if i := strings.Index(msg, "\x00"+PushDigestPrefix); i >= 0 {
+		return msg[:i], []byte(msg[i+1+len(PushDigestPrefix):])
+	}
+	return msg, nil
+}
 
 // ParsePushWord reads a notification a decode gets in push mode: the
 // request id and which word it is.
