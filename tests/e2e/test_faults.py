@@ -347,7 +347,7 @@ def test_f_kv_digest_catches_damaged_reads(env, policy):
             assert o.status != 200, f"{rid}: the damaged load was served under kv_load_failure_policy fail: {o.brief()}"
         else:
             assert kind == "correct", f"{rid}: under recompute: {o.brief()} (baseline {base(ex.prompt)!r})"
-        t.notes.append(f"kvfault-{fault} caught in {time.monotonic() - t0:.1f}s: {mismatches[0][:160]}")
+        t.notes.append(f"kvfault-{fault} caught in {time.monotonic() - t0:.1f}s: {mismatches[0].split('kv_digest_mismatch. ', 1)[-1][:200]}")
 
 
 # ---------------------------------------------------------------------------
