@@ -8,7 +8,7 @@ package shim
 // kv_transfer_params through vLLM's worker metadata in the same step). The
 // reader (a decode's worker) hashes the blocks it read once every READ of
 // the request completed, before it reports the request received, and
-// compares (verifyDigestLocked). A block covers the prompt's token slots
+// compares (checkDoneLocked, on a goroutine). A block covers the prompt's token slots
 // only: the last, partly filled block of a prompt is hashed over its first
 // tokens (a step still in flight may write the next slot).
 //
@@ -394,12 +394,6 @@ func (w *Worker) hashCheck(c *digestCheck) digestResult {
 	return r
 }
 
-// verifyDigestLocked hashes the blocks st read, here, and judges them
-// (judgeDigestLocked).
-func (w *Worker) verifyDigestLocked(st *recvState) bool {
-	return w.takeCheckLocked(st, w.hashCheck(st.check))
-}
-
 // checkDoneLocked runs st's check off vLLM's thread: the first call starts
 // the hashing on a goroutine of the worker's, later ones take its result
 // once it is there. False while it runs (the request stays receiving);
@@ -440,7 +434,9 @@ func (w *Worker) checkDoneLocked(st *recvState) bool {
 	default:
 		return false
 	}
-	if !w.takeCheckLocked(st, r) {
+	ok := w.takeCheckLocked(st, r)
+	st.check, st.checking = nil, nil // judged: once
+	if !ok {
 		st.failed = true
 	}
 	return true
@@ -556,12 +552,13 @@ func (w *Worker) pushDigestMsgLocked(st *recvState, payload []byte) {
 	st.push.digest = d
 }
 
-// checkPushDigestLocked checks the blocks a push WRITE filled against the
-// prefill's PushDigest (verifyDigestLocked); a prefill that sent none (a
-// stock one, gonixl with kv_digest off) is read unchecked, said once.
-func (w *Worker) checkPushDigestLocked(st *recvState) {
+// startPushCheckLocked starts the check of the blocks a push WRITE filled
+// against the prefill's PushDigest, off vLLM's thread (checkDoneLocked);
+// false when there is nothing to check: a prefill that sent none (a stock
+// one, gonixl with kv_digest off) is read unchecked, said once.
+func (w *Worker) startPushCheckLocked(st *recvState) bool {
 	if w.cfg.KVDigest == KVDigestOff {
-		return
+		return false
 	}
 	d, local := st.push.digest, st.meta.LocalBlockIDs
 	why := ""
@@ -583,7 +580,7 @@ func (w *Worker) checkPushDigestLocked(st *recvState) {
 		if w.noteOnce("unchecked:" + st.meta.Remote.EngineID + why) {
 			w.log.Warn("push: reading KV unchecked: "+why+" (logged once per engine)", zap.String("remote_engine_id", st.meta.Remote.EngineID), zap.String("request_id", st.id))
 		}
-		return
+		return false
 	}
 	c := &digestCheck{local: local, remote: d.Source, want: d.Blocks, tokens: make([][]int64, len(local)), pos: make([][]int64, len(local)), whole: make([]bool, len(local))}
 	for g := range local {
@@ -594,7 +591,7 @@ func (w *Worker) checkPushDigestLocked(st *recvState) {
 		}
 	}
 	st.check = c
-	w.verifyDigestLocked(st)
+	return !w.checkDoneLocked(st) // starts it: false until its result is taken
 }
 
 // waitChecksForClose waits, without the lock, for the checks still hashing:

@@ -1209,6 +1209,10 @@ func (c *pyConn) startLoadKV(meta []byte) {
 // getFinished is get_transfer_results and get_block_ids_with_load_errors.
 func (c *pyConn) getFinished() (Finished, []int64) {
 	b, err := c.work.GetFinished()
+	// A KV digest check this poll started runs on a goroutine: done before
+	// the next poll, as it would be on any host with a free core, so that
+	// runs stay reproducible from their seed.
+	c.work.checks.Wait()
 	c.e.r.afterCall(c.e)
 	var f Finished
 	if err == nil {

@@ -194,8 +194,13 @@ func (w *Worker) pushNotifLocked(from, msg string) bool {
 		if digest != nil {
 			w.pushDigestMsgLocked(st, digest)
 		}
-		if pw.got >= pw.want && pw.state == pushWaiting && !st.failed {
-			w.checkPushDigestLocked(st)
+		if pw.got >= pw.want && pw.state == pushWaiting && !st.failed && w.startPushCheckLocked(st) {
+			// Its blocks are being hashed (kvdigest.go): the wait ends
+			// when pollPushWaitsLocked takes the result.
+			if st.remote != nil {
+				w.touchRemoteLocked(st.remote)
+			}
+			return true
 		}
 	}
 	if pw.got >= pw.want || pw.allSaid() {
@@ -281,6 +286,16 @@ func (w *Worker) pollPushWaitsLocked() {
 	for _, id := range ids {
 		st := w.recv[id]
 		pw := st.push
+		if st.checking != nil {
+			// The WRITE completed and its blocks are being hashed: no
+			// timeout meanwhile; the wait ends with the check.
+			if !w.checkDoneLocked(st) {
+				continue
+			}
+			if pw.state != pushDone {
+				w.endPushWaitLocked(st)
+			}
+		}
 		if pw.state == pushWaiting && now >= pw.deadline {
 			w.stats.RecordFailedTransfer()
 			w.failLocked(st, "push_registration_timeout", fmt.Sprintf("no WRITE from engine %s within push_registration_timeout=%gs", st.meta.Remote.EngineID, w.cfg.PushRegistrationTimeout), nil)
