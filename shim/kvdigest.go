@@ -343,10 +343,7 @@ func (w *Worker) digestCheckLocked(st *recvState, re *remoteEngine, local, remot
 		why = "its digests do not match its ranks or groups"
 	}
 	if why != "" {
-		w.prom.digestUnchecked.Inc()
-		if w.noteOnce("unchecked:" + re.id + why) {
-			w.log.Warn("reading KV unchecked: "+why+" (logged once per engine)", zap.String("remote_engine_id", re.id), zap.String("request_id", st.id))
-		}
+		w.readUncheckedLocked(st, re.id, why)
 		return nil
 	}
 	rank := re.plan.sources[0]
@@ -357,8 +354,7 @@ func (w *Worker) digestCheckLocked(st *recvState, re *remoteEngine, local, remot
 		adv := st.meta.Remote.BlockIDs[g]
 		skip := len(adv) - len(local[g])
 		if skip < 0 || len(rd.Blocks[g]) != len(adv) {
-			w.prom.digestUnchecked.Inc()
-			w.log.Warn("reading KV unchecked: its digests do not match the blocks read", zap.String("remote_engine_id", re.id), zap.String("request_id", st.id), zap.Int("group", g))
+			w.readUncheckedLocked(st, re.id, fmt.Sprintf("its digests of group %d do not match the blocks read", g))
 			return nil
 		}
 		c.whole[g] = skip == 0
@@ -576,10 +572,7 @@ func (w *Worker) startPushCheckLocked(st *recvState) bool {
 		}
 	}
 	if why != "" {
-		w.prom.digestUnchecked.Inc()
-		if w.noteOnce("unchecked:" + st.meta.Remote.EngineID + why) {
-			w.log.Warn("push: reading KV unchecked: "+why+" (logged once per engine)", zap.String("remote_engine_id", st.meta.Remote.EngineID), zap.String("request_id", st.id))
-		}
+		w.readUncheckedLocked(st, st.meta.Remote.EngineID, why)
 		return false
 	}
 	c := &digestCheck{local: local, remote: d.Source, want: d.Blocks, tokens: make([][]int64, len(local)), pos: make([][]int64, len(local)), whole: make([]bool, len(local))}
@@ -602,4 +595,13 @@ func (w *Worker) waitChecksForClose() {
 	w.mu.Unlock()
 	defer w.mu.Lock()
 	w.checks.Wait()
+}
+
+// readUncheckedLocked counts a transfer read without a digest check and
+// says why, once per remote engine and reason.
+func (w *Worker) readUncheckedLocked(st *recvState, engineID, why string) {
+	w.prom.digestUnchecked.Inc()
+	if w.noteOnce("unchecked:" + engineID + why) {
+		w.log.Warn("reading KV unchecked: "+why+" (logged once per engine)", zap.String("remote_engine_id", engineID), zap.String("request_id", st.id))
+	}
 }

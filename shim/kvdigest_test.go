@@ -24,20 +24,9 @@ func newDigestSide(t *testing.T, eng nixl.Engine, kvRole, id string, fill byte, 
 
 func newDigestSideClock(t *testing.T, eng nixl.Engine, kvRole, id string, fill byte, extra map[string]any, clock Clock) *side {
 	t.Helper()
-	port := freePort(t)
-	s, err := NewScheduler(testConfig(t, RoleScheduler, kvRole, id, port, extra), clock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := NewWorker(testConfig(t, RoleWorker, kvRole, id, port, extra), clock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	km := newKVMem(t, fill)
-	init := initFor(km)
-	init.BlockReshape, init.HeadSize = "head_major", tHeadDim
-	registerAndServe(t, s, w, eng, 0, init)
-	return &side{sched: s, work: w, kv: km, port: port}
+	return newSideWith(t, eng, kvRole, id, freePort(t), clock, fill, extra, func(init *WorkerInit) {
+		init.BlockReshape, init.HeadSize = "head_major", tHeadDim
+	})
 }
 
 // withDigests is what the Python prefill does with the worker's digests:

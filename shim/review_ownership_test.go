@@ -295,17 +295,7 @@ func TestPushRegistrationOfADeadDecodeNotWrittenToItsSuccessor(t *testing.T) {
 // newSideAt is newSide (pull mode) at a given side-channel port.
 func newSideAt(t *testing.T, eng *nixltest.Engine, kvRole, id string, port int, fill byte) *side {
 	t.Helper()
-	s, err := NewScheduler(testConfig(t, RoleScheduler, kvRole, id, port, nil), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := NewWorker(testConfig(t, RoleWorker, kvRole, id, port, nil), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	km := newKVMem(t, fill)
-	registerAndServe(t, s, w, eng, 0, initFor(km))
-	return &side{sched: s, work: w, kv: km, port: port}
+	return newSideWith(t, eng, kvRole, id, port, nil, fill, nil, nil)
 }
 
 // The pull twin: a prefill's params name its blocks by engine id and

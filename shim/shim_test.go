@@ -131,7 +131,13 @@ type side struct {
 
 func newSide(t *testing.T, eng nixl.Engine, kvRole, id string, clock Clock, fill byte, extra map[string]any) *side {
 	t.Helper()
-	port := freePort(t)
+	return newSideWith(t, eng, kvRole, id, freePort(t), clock, fill, extra, nil)
+}
+
+// newSideWith is newSide at a given side-channel port, with edit (if not
+// nil) applied to the worker's registration.
+func newSideWith(t *testing.T, eng nixl.Engine, kvRole, id string, port int, clock Clock, fill byte, extra map[string]any, edit func(*WorkerInit)) *side {
+	t.Helper()
 	s, err := NewScheduler(testConfig(t, RoleScheduler, kvRole, id, port, extra), clock)
 	if err != nil {
 		t.Fatal(err)
@@ -141,7 +147,11 @@ func newSide(t *testing.T, eng nixl.Engine, kvRole, id string, clock Clock, fill
 		t.Fatal(err)
 	}
 	km := newKVMem(t, fill)
-	registerAndServe(t, s, w, eng, 0, initFor(km))
+	init := initFor(km)
+	if edit != nil {
+		edit(init)
+	}
+	registerAndServe(t, s, w, eng, 0, init)
 	return &side{sched: s, work: w, kv: km, port: port}
 }
 
