@@ -3,7 +3,6 @@ package shim
 import (
 	"encoding/json"
 	"fmt"
-	"net"
 	"slices"
 	"testing"
 	"time"
@@ -208,10 +207,5 @@ func benchStartLoadKV(b *testing.B, eng nixl.Engine) {
 // freePortB is freePort for a benchmark.
 func freePortB(b *testing.B) int {
 	b.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return freePortRun(b, 1)
 }

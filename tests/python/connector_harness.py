@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import socket
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -58,17 +57,12 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from ports import free_port  # noqa: F401 (tests use h.free_port)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL_DIR = os.path.join(ROOT, "tests", "fixtures", "tiny-copy-model")
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cdiv(a: int, b: int) -> int:

@@ -12,7 +12,6 @@ import os
 import pathlib
 import random
 import shutil
-import socket
 import subprocess
 import threading
 import types
@@ -22,6 +21,7 @@ import pytest
 import zmq
 
 import sidechannel_peer as peer
+from ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HASH = "c0ffee" * 10 + "abcd"
@@ -71,12 +71,6 @@ def run(scpeer, *args, stdin="", check=True):
     if check and p.returncode != 0:
         raise AssertionError(f"scpeer {args} failed: {p.stdout} {p.stderr}")
     return p
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GoListener:
