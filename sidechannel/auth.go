@@ -129,3 +129,81 @@ func parseErrorPayload(p *HandshakePayload) *RemoteError {
 	code, msg, _ := strings.Cut(rest, ": ")
 	return &RemoteError{Code: code, Message: msg}
 }
+
+// KV digest query authentication (same marker and nonce as the handshake,
+// separate MAC domains so neither message can stand in for the other):
+//
+//   - tag = b"gonixl_kv_digest" + authMarker + nonce (16 bytes) +
+//     HMAC-SHA256(secret, "gonixl-side-channel kv digest v1\x00" || nonce ||
+//     be64(len(request_id)) || request_id);
+//   - reply frames [body, mac], mac = HMAC-SHA256(secret,
+//     "gonixl-side-channel kv digest reply v1\x00" || request MAC ||
+//     be64(len(body)) || body).
+
+const kvAuthTagLen = len(KVDigestMsg) + len(authMarker) + nonceLen + macLen
+
+// Listener-side code for a failing KV digest provider.
+const codeProviderFailed = "provider-failed"
+
+func kvDigestRequestMAC(secret, nonce []byte, requestID string) []byte {
+	m := hmac.New(sha256.New, secret)
+	m.Write([]byte("gonixl-side-channel kv digest v1\x00"))
+	m.Write(nonce)
+	var b [8]byte
+	binary.BigEndian.PutUint64(b[:], uint64(len(requestID)))
+	m.Write(b[:])
+	m.Write([]byte(requestID))
+	return m.Sum(nil)
+}
+
+func kvDigestReplyMAC(secret, reqMAC, body []byte) []byte {
+	m := hmac.New(sha256.New, secret)
+	m.Write([]byte("gonixl-side-channel kv digest reply v1\x00"))
+	m.Write(reqMAC)
+	var b [8]byte
+	binary.BigEndian.PutUint64(b[:], uint64(len(body)))
+	m.Write(b[:])
+	m.Write(body)
+	return m.Sum(nil)
+}
+
+// kvDigestAuthTag builds the authenticated KV digest tag and returns it with
+// the request MAC the reply must be bound to.
+func kvDigestAuthTag(secret []byte, requestID string) (tag, mac []byte, err error) {
+	nonce := make([]byte, nonceLen)
+	if _, err := rand.Read(nonce); err != nil {
+		return nil, nil, err
+	}
+	mac = kvDigestRequestMAC(secret, nonce, requestID)
+	tag = make([]byte, 0, kvAuthTagLen)
+	tag = append(tag, KVDigestMsg...)
+	tag = append(tag, authMarker...)
+	tag = append(tag, nonce...)
+	tag = append(tag, mac...)
+	return tag, mac, nil
+}
+
+// splitKVDigestAuthTag returns nonce and MAC when tag is an authenticated KV
+// digest tag.
+func splitKVDigestAuthTag(tag []byte) (nonce, mac []byte, ok bool) {
+	prefix := KVDigestMsg + authMarker
+	if len(tag) != kvAuthTagLen || !bytes.HasPrefix(tag, []byte(prefix)) {
+		return nil, nil, false
+	}
+	rest := tag[len(prefix):]
+	return rest[:nonceLen], rest[nonceLen:], true
+}
+
+// kvDigestErrorReply is an error reply body; Message is "<code>: <text>" so
+// a client can tell authentication failures (RemoteError codes) apart.
+func kvDigestErrorReply(code, msg string) []byte {
+	return (&KVDigestReply{Status: KVDigestError, Message: code + ": " + msg}).Encode()
+}
+
+func parseKVDigestError(msg string) *RemoteError {
+	code, text, ok := strings.Cut(msg, ": ")
+	if !ok || code == "" || strings.ContainsAny(code, " \t\n") {
+		return &RemoteError{Code: "error", Message: msg}
+	}
+	return &RemoteError{Code: code, Message: text}
+}

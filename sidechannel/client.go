@@ -387,3 +387,139 @@ func (c *Client) ioErr(ctx context.Context, what string, err error) error {
 	}
 	return fmt.Errorf("%s: %w", what, err)
 }
+
+// kvDigestPollInterval is how long KVDigest waits between "pending" replies.
+const kvDigestPollInterval = 20 * time.Millisecond
+
+// KVDigest asks the listener at host:port for the KV digest of requestID
+// (gonixl only; see doc.go) and returns it. A "none" reply returns (nil,
+// nil); a "pending" reply is polled on the same connection every 20 ms until
+// ctx is done, which is then a wrapped ErrTimeout (deadline) or ctx's error.
+// Each query is bounded by ClientConfig.RecvTimeout; ClientConfig.Timeout
+// does not apply. Authentication failures match ErrAuth, an "error" reply
+// is a *RemoteError, and after Close the error matches ErrClosed.
+func (c *Client) KVDigest(ctx context.Context, host string, port int, requestID string) (digest []byte, err error) {
+	addr := net.JoinHostPort(host, strconv.Itoa(port))
+	wrap := func(err error) error {
+		return fmt.Errorf("sidechannel: KV digest query for request %.64q at %s: %w", requestID, addr, err)
+	}
+	if err := checkKVRequestID(requestID); err != nil {
+		return nil, wrap(err)
+	}
+	c.mu.Lock()
+	if c.ctx.Err() != nil {
+		c.mu.Unlock()
+		return nil, wrap(ErrClosed)
+	}
+	c.wg.Add(1)
+	c.mu.Unlock()
+	defer c.wg.Done()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(c.ctx, cancel)()
+	defer func() {
+		if p := recover(); p != nil {
+			c.log.Error("side-channel KV digest query panicked", zap.Any("panic", p), zap.Stack("stack"))
+			digest, err = nil, wrap(fmt.Errorf("internal error: %v", p))
+		}
+	}()
+
+	last := "no reply yet"
+	fail := func(err error) ([]byte, error) {
+		switch {
+		case c.ctx.Err() != nil && errors.Is(err, context.Canceled):
+			err = ErrClosed
+		case errors.Is(err, context.DeadlineExceeded):
+			err = fmt.Errorf("%w: %v (last status: %s)", ErrTimeout, err, last)
+		case errors.Is(err, ErrTimeout):
+			err = fmt.Errorf("%w (last status: %s)", err, last)
+		}
+		return nil, wrap(err)
+	}
+	z, err := c.connect(ctx, addr)
+	if err != nil {
+		return fail(err)
+	}
+	defer z.c.Close()
+	for {
+		reply, err := c.kvQuery(ctx, z, requestID)
+		if err != nil {
+			return fail(err)
+		}
+		switch reply.Status {
+		case KVDigestOK:
+			return reply.Digest, nil
+		case KVDigestNone:
+			return nil, nil
+		}
+		last = reply.Status
+		select {
+		case <-ctx.Done():
+			return fail(ctx.Err())
+		case <-time.After(kvDigestPollInterval):
+		}
+	}
+}
+
+// kvQuery sends one KV digest query on z and returns a verified reply whose
+// status is ok (Digest non-nil), pending or none.
+func (c *Client) kvQuery(ctx context.Context, z *zconn, requestID string) (*KVDigestReply, error) {
+	dl := time.Now().Add(c.cfg.RecvTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
+		dl = d
+	}
+	z.c.SetDeadline(dl)
+	stop := context.AfterFunc(ctx, func() { z.c.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+
+	tag, reqMAC := []byte(KVDigestMsg), []byte(nil)
+	if c.cfg.Secret != nil {
+		var err error
+		if tag, reqMAC, err = kvDigestAuthTag(c.cfg.Secret, requestID); err != nil {
+			return nil, err
+		}
+	}
+	ioErr := func(what string, err error) error {
+		if ctx.Err() != nil {
+			return fmt.Errorf("%s: %w", what, ctx.Err())
+		}
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			return fmt.Errorf("%w: %s: no reply within the per-query timeout %v", ErrTimeout, what, c.cfg.RecvTimeout)
+		}
+		return fmt.Errorf("%s: %w", what, err)
+	}
+	if err := z.writeMsg([]byte{}, encodeKVDigestRequest(tag, requestID)); err != nil {
+		return nil, ioErr("send KV digest query", err)
+	}
+	frames, err := z.readMsg()
+	if err != nil {
+		return nil, ioErr("receive KV digest reply", err)
+	}
+	if len(frames[0]) != 0 {
+		return nil, errors.New("reply lacks the REQ envelope delimiter")
+	}
+	body := frames[1:]
+	if len(body) != 1 && len(body) != 2 {
+		return nil, fmt.Errorf("expected a 1- or 2-frame KV digest reply, got %d frames", len(body))
+	}
+	reply, err := DecodeKVDigestReply(body[0])
+	if err != nil {
+		if p, perr := DecodeHandshakePayload(body[0]); perr == nil {
+			return nil, fmt.Errorf("the listener does not serve KV digest queries (it answered with a handshake reply, hash %.200q)", p.CompatibilityHash)
+		}
+		return nil, fmt.Errorf("malformed KV digest reply: %w", err)
+	}
+	if reply.Status == KVDigestError {
+		return nil, parseKVDigestError(reply.Message)
+	}
+	switch {
+	case c.cfg.Secret != nil && len(body) != 2:
+		return nil, fmt.Errorf("%w: the reply is not authenticated: the listener has no side-channel secret configured but this side has one; %s", ErrAuth, secretHint)
+	case c.cfg.Secret != nil && !hmac.Equal(body[1], kvDigestReplyMAC(c.cfg.Secret, reqMAC, body[0])):
+		return nil, fmt.Errorf("%w: reply authentication failed: the side-channel secrets differ", ErrAuth)
+	case c.cfg.Secret == nil && len(body) != 1:
+		return nil, fmt.Errorf("%w: the reply is authenticated but this side has no side-channel secret configured; %s", ErrAuth, secretHint)
+	}
+	return reply, nil
+}

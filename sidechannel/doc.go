@@ -50,6 +50,32 @@
 //     A secret on one side only fails the handshake with a message that says
 //     which side lacks it.
 //
+// # KV digest query (gonixl only)
+//
+// A decode engine that keeps a finished request's KV blocks for a later
+// reader also serves, on the same listener, the digests of those blocks by
+// request id. Stock vLLM never sends or answers this message. The listener
+// tells the kinds apart by the request: an array whose first element is a
+// bin/str starting with "gonixl_kv_digest", or any 2-element array not
+// tagged "get_meta_msg", is a digest query; everything else goes down the
+// handshake path, unchanged.
+//
+// Request: msgpack [tag, request_id], tag b"gonixl_kv_digest" (str also
+// accepted), request_id a str of 1..1024 bytes, nothing else. Reply, after
+// the REQ delimiter: one frame, msgpack {"status", "message", "digest"}.
+// "ok": digest holds the bytes; "pending": the engine holds the request but
+// its digest is not in yet, ask again; "none": nothing to serve (unknown
+// request or no digests taken), not an error; "error": message is
+// "<code>: <reason>" (the handshake's codes plus "provider-failed"). With a
+// secret the tag carries nonce and MAC as the handshake's does, under its
+// own MAC domain, and a reply to a verified query gets a second frame, the
+// MAC of the body bound to the request MAC (auth.go). Refusals of
+// unverified or malformed queries are one frame.
+//
+// ListenerConfig.KVDigest supplies the digests (nil: always "none").
+// Client.KVDigest fetches one, polling "pending" every 20 ms on the same
+// connection until its context ends.
+//
 // # API
 //
 // Scheduler side: NewListener(ListenerConfig), Listener.SetPayload(pp, tp,
@@ -57,7 +83,10 @@
 // NewClient(ClientConfig), Client.Start (returns a Future) or Client.Handshake
 // (blocking), Client.Close. Compatibility hash: CompatibilityHash(values) or
 // HashFactorsJSON(json.dumps(factors), engineKind). Wire types:
-// HandshakePayload, AgentMetadata and their Encode/Decode functions.
+// HandshakePayload, AgentMetadata and their Encode/Decode functions. KV
+// digest query: ListenerConfig.KVDigest, Client.KVDigest,
+// EncodeKVDigestRequest/DecodeKVDigestRequest, KVDigestReply and
+// DecodeKVDigestReply.
 // Configuration comes in as plain structs;
 // FromEnv(os.Getenv) and ResolveSecret are the only readers of environment
 // variables.
@@ -73,6 +102,8 @@
 // connection on its own goroutine; Stop closes all of them and waits, and is
 // idempotent. A Client runs each handshake on its own goroutine, bounded by
 // ClientConfig.Timeout; concurrent Start calls for the same engine, address
-// and ranks share one handshake and one immutable *Result. Encode and Decode
-// functions are pure.
+// and ranks share one handshake and one immutable *Result. Client.KVDigest
+// runs on its caller's goroutine with its own connection, and the listener
+// calls ListenerConfig.KVDigest on connection goroutines, concurrently and
+// with no lock held. Encode and Decode functions are pure.
 package sidechannel

@@ -87,6 +87,161 @@ func FuzzDecodeRequest(f *testing.F) {
 	})
 }
 
+// FuzzDecodeKVDigestRequest also checks the dispatch: every KV digest query
+// takes the KV path, and every handshake request whose tag is not a KV tag
+// keeps the handshake path.
+func FuzzDecodeKVDigestRequest(f *testing.F) {
+	tag, _, _ := kvDigestAuthTag([]byte("k"), "r")
+	addSeeds(f, unhex(f, kvRequestHex), encodeKVDigestRequest(tag, "req-1"), EncodeKVDigestRequest(strings.Repeat("x", MaxKVRequestIDLen)),
+		append(EncodeKVDigestRequest("r"), 0xc0), []byte{0x92, 0xa1, 'x', 0xa1, 'y'}, []byte{0x93, 0xa0, 0xa1, 'x', 0x00}, unhex(f, requestHex))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		r, err := DecodeKVDigestRequest(b)
+		if (r == nil) == (err == nil) {
+			t.Fatalf("value %v with error %v", r, err)
+		}
+		if err == nil {
+			if !isKVDigestQuery(b) {
+				t.Fatal("a KV digest query takes the handshake path")
+			}
+			if len(r.RequestID) == 0 || len(r.RequestID) > MaxKVRequestIDLen {
+				t.Fatalf("request id of %d bytes accepted", len(r.RequestID))
+			}
+			r2, err := DecodeKVDigestRequest(encodeKVDigestRequest(r.Tag, r.RequestID))
+			if err != nil || r2.RequestID != r.RequestID || !bytes.Equal(r2.Tag, r.Tag) {
+				t.Fatalf("re-encoded query does not round-trip: %v", err)
+			}
+		}
+		if hr, err := DecodeRequest(b); err == nil && !bytes.HasPrefix(hr.Tag, []byte(KVDigestMsg)) && isKVDigestQuery(b) {
+			t.Fatalf("handshake request with tag %q takes the KV digest path", hr.Tag)
+		}
+	})
+}
+
+func FuzzDecodeKVDigestReply(f *testing.F) {
+	addSeeds(f, (&KVDigestReply{Status: KVDigestOK, Digest: []byte("d")}).Encode(), kvDigestErrorReply(codeBadRequest, "x"),
+		(&KVDigestReply{Status: KVDigestPending}).Encode(), []byte{0x81, 0xa6, 's', 't', 'a', 't', 'u', 's', 0xa4, 'n', 'o', 'n', 'e'}, []byte{0x83, 0xc1})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		p, err := DecodeKVDigestReply(b)
+		if (p == nil) == (err == nil) {
+			t.Fatalf("value %v with error %v", p, err)
+		}
+		if err != nil {
+			return
+		}
+		p2, err := DecodeKVDigestReply(p.Encode())
+		if err != nil || !reflect.DeepEqual(p, p2) {
+			t.Fatalf("re-encoded reply does not round-trip: %v", err)
+		}
+	})
+}
+
+// FuzzListenerKVDigest answers arbitrary KV digest request frames. Properties:
+// every reply is one well-formed body (two frames only for a verified
+// authenticated query); the digest is served only for a well-formed query
+// for the id that has one and, with a secret, only to a query whose MAC
+// verifies, bound by the reply MAC.
+func FuzzListenerKVDigest(f *testing.F) {
+	tag, _, err := kvDigestAuthTag([]byte("k"), "r")
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(EncodeKVDigestRequest("r"), false)
+	f.Add(EncodeKVDigestRequest("r"), true)
+	f.Add(encodeKVDigestRequest(tag, "r"), true)
+	f.Add(encodeKVDigestRequest(tag, "r"), false)
+	f.Add(encodeKVDigestRequest(tag, "s"), true)
+	f.Add(EncodeKVDigestRequest("p"), false)
+	f.Add(EncodeKVDigestRequest("boom"), false)
+	f.Add([]byte{0x92, 0x01, 0xa1, 'r'}, false)
+	f.Fuzz(func(t *testing.T, b []byte, withSecret bool) {
+		var secret []byte
+		if withSecret {
+			secret = []byte("k")
+		}
+		l := &Listener{cfg: ListenerConfig{Secret: secret, MaxFrameSize: 1 << 20, KVDigest: func(id string) (string, []byte) {
+			switch id {
+			case "r":
+				return KVDigestOK, []byte("digest")
+			case "p":
+				return KVDigestPending, nil
+			case "boom":
+				panic("provider bug")
+			}
+			return KVDigestNone, nil
+		}}, log: zap.NewNop()}
+		if !isKVDigestQuery(b) {
+			return
+		}
+		reply := l.handle([][]byte{b})
+		if len(reply) != 1 && len(reply) != 2 {
+			t.Fatalf("reply of %d frames", len(reply))
+		}
+		p, err := DecodeKVDigestReply(reply[0])
+		if err != nil {
+			t.Fatalf("reply body does not decode: %v", err)
+		}
+		req, rerr := DecodeKVDigestRequest(b)
+		var nonce, mac []byte
+		authed := false
+		if rerr == nil {
+			nonce, mac, authed = splitKVDigestAuthTag(req.Tag)
+		}
+		verified := rerr == nil && authed == withSecret && (!authed || bytes.Equal(mac, kvDigestRequestMAC(secret, nonce, req.RequestID)))
+		if !verified && (p.Status != KVDigestError || len(reply) != 1) {
+			t.Fatalf("answered %q in %d frames to an unverified query (%v)", p.Status, len(reply), rerr)
+		}
+		if !verified {
+			return
+		}
+		if withSecret != (len(reply) == 2) || (withSecret && !bytes.Equal(reply[1], kvDigestReplyMAC(secret, mac, reply[0]))) {
+			t.Fatal("reply MAC missing or not binding the reply")
+		}
+		if (p.Status == KVDigestOK) != (req.RequestID == "r") || (p.Status == KVDigestOK && string(p.Digest) != "digest") {
+			t.Fatalf("answered %+v for %q", p, req.RequestID)
+		}
+	})
+}
+
+// FuzzClientKVDigestReply feeds arbitrary reply bytes to the KV digest
+// query. Properties: no panic; a reply exactly when no error, with status
+// ok, pending or none; never accepted with a secret configured (the request
+// MAC is random per query).
+func FuzzClientKVDigestReply(f *testing.F) {
+	ok := (&KVDigestReply{Status: KVDigestOK, Digest: []byte("d")}).Encode()
+	f.Add(reqMessage(ok), false)
+	f.Add(reqMessage(ok), true)
+	f.Add(reqMessage(ok, make([]byte, 32)), true)
+	f.Add(reqMessage(ok, make([]byte, 32)), false)
+	f.Add(reqMessage(kvDigestErrorReply(codeAuthFailed, "x")), true)
+	f.Add(reqMessage(errorPayload(codeBadRequest, "x"), EncodeClock(1)), false)
+	f.Add(reqMessage([]byte{0x81, 0xa6, 's', 't', 'a', 't', 'u', 's', 0xa1, 'x'}), false)
+	f.Fuzz(func(t *testing.T, b []byte, withSecret bool) {
+		var secret []byte
+		if withSecret {
+			secret = []byte("k")
+		}
+		c := NewClient(ClientConfig{Secret: secret})
+		defer c.Close()
+		z := &zconn{c: nopConn{}, r: bufio.NewReader(bytes.NewReader(b)), maxFrame: 1 << 16, maxFrames: 8}
+		reply, err := c.kvQuery(context.Background(), z, "r")
+		if (reply == nil) == (err == nil) {
+			t.Fatalf("reply %v with error %v", reply, err)
+		}
+		if err != nil {
+			return
+		}
+		if withSecret {
+			t.Fatal("accepted a reply that cannot be authenticated")
+		}
+		if s := reply.Status; s != KVDigestOK && s != KVDigestPending && s != KVDigestNone {
+			t.Fatalf("accepted status %q", s)
+		}
+		if reply.Status == KVDigestOK && reply.Digest == nil {
+			t.Fatal("ok without a digest")
+		}
+	})
+}
+
 func FuzzDecodeClock(f *testing.F) {
 	addSeeds(f, EncodeClock(123.25), []byte{0xca, 0, 0, 0, 0}, []byte{0xcf, 1, 2, 3, 4, 5, 6, 7, 8}, []byte{0xe0}, []byte{0xcb})
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -256,6 +411,9 @@ func FuzzListenerHandle(f *testing.F) {
 		l := &Listener{cfg: ListenerConfig{Secret: secret, Clock: func() float64 { return 42.5 }}, log: zap.NewNop(),
 			payloads: map[Rank][]byte{{0, 0}: payload}}
 		body := [][]byte{a, b, a}[:n%4]
+		if len(body) == 1 && isKVDigestQuery(body[0]) {
+			return // the KV digest path: FuzzListenerKVDigest
+		}
 		reply := l.handle(body)
 		if len(reply) != 2 && len(reply) != 3 {
 			t.Fatalf("reply of %d frames", len(reply))

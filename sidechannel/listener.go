@@ -28,6 +28,13 @@ type ListenerConfig struct {
 	IdleTimeout      time.Duration // between requests on one connection, default 60 s
 	Clock            func() float64
 	Logger           *zap.Logger
+
+	// KVDigest serves the gonixl-only KV digest query (see doc.go): given a
+	// request id it returns KVDigestOK with the digest, KVDigestPending or
+	// KVDigestNone. It runs on the connection's goroutine with no listener
+	// lock held and may be called concurrently; a panic or any other status
+	// is answered "error". nil answers every query "none".
+	KVDigest func(requestID string) (status string, digest []byte)
 }
 
 // Listener serves handshake payloads per (pp_rank, tp_rank) to REQ clients
@@ -120,7 +127,9 @@ func (l *Listener) SetPayload(pp, tp int, payload []byte) error {
 }
 
 // Counts returns how many requests were answered with a payload and how
-// many were refused (error reply or dropped).
+// many were refused (error reply or dropped). A KV digest query counts as
+// served when answered "ok" or "none", as refused when answered "pending"
+// (like a not-ready handshake) or "error".
 func (l *Listener) Counts() (served, refused int64) { return l.served.Load(), l.refused.Load() }
 
 // Stop closes the socket and every connection and waits for the serving
@@ -273,6 +282,9 @@ func (l *Listener) handle(body [][]byte) [][]byte {
 	if len(body) != 1 {
 		return fail(codeBadRequest, fmt.Sprintf("expected 1 request frame, got %d", len(body)))
 	}
+	if isKVDigestQuery(body[0]) {
+		return l.handleKVDigest(body[0])
+	}
 	req, err := DecodeRequest(body[0])
 	if err != nil {
 		return fail(codeBadRequest, err.Error())
@@ -301,4 +313,77 @@ func (l *Listener) handle(body [][]byte) [][]byte {
 		return [][]byte{payload, clock, replyMAC(l.cfg.Secret, mac, payload, clock)}
 	}
 	return [][]byte{payload, clock}
+}
+
+// handleKVDigest answers one KV digest query: [body], or [body, mac] when
+// the request is authenticated and verified.
+func (l *Listener) handleKVDigest(b []byte) [][]byte {
+	fail := func(code, msg string) [][]byte {
+		l.refused.Add(1)
+		l.log.Warn("side-channel KV digest query refused", zap.String("code", code), zap.String("reason", msg))
+		return [][]byte{kvDigestErrorReply(code, msg)}
+	}
+	req, err := DecodeKVDigestRequest(b)
+	if err != nil {
+		return fail(codeBadRequest, err.Error())
+	}
+	nonce, mac, authed := splitKVDigestAuthTag(req.Tag)
+	switch {
+	case l.cfg.Secret != nil && !authed:
+		return fail(codeAuthRequired, "this listener requires side-channel authentication but the request carries none; "+secretHint)
+	case l.cfg.Secret == nil && authed:
+		return fail(codeAuthUnsupported, "the request is authenticated but this listener has no side-channel secret configured; "+secretHint)
+	case authed && !hmac.Equal(mac, kvDigestRequestMAC(l.cfg.Secret, nonce, req.RequestID)):
+		return fail(codeAuthFailed, "request authentication failed: the side-channel secrets differ")
+	}
+	seal := func(body []byte) [][]byte {
+		if authed {
+			return [][]byte{body, kvDigestReplyMAC(l.cfg.Secret, mac, body)}
+		}
+		return [][]byte{body}
+	}
+	id := zap.String("request_id", req.RequestID)
+	providerFailed := func(msg string) [][]byte {
+		l.refused.Add(1)
+		l.log.Error("side-channel KV digest provider failed", id, zap.String("reason", msg))
+		return seal(kvDigestErrorReply(codeProviderFailed, msg))
+	}
+	status, digest, perr := l.kvDigest(req.RequestID)
+	var reply KVDigestReply
+	switch {
+	case perr != nil:
+		return providerFailed(perr.Error())
+	case status == KVDigestOK:
+		reply = KVDigestReply{Status: KVDigestOK, Digest: digest}
+	case status == KVDigestPending || status == KVDigestNone:
+		reply = KVDigestReply{Status: status}
+	default:
+		return providerFailed(fmt.Sprintf("the KV digest provider returned status %q", status))
+	}
+	body := reply.Encode()
+	if len(body) > l.cfg.MaxFrameSize {
+		return providerFailed(fmt.Sprintf("a digest of %d bytes exceeds the frame limit %d", len(digest), l.cfg.MaxFrameSize))
+	}
+	if status == KVDigestPending {
+		l.refused.Add(1)
+	} else {
+		l.served.Add(1)
+	}
+	l.log.Debug("side-channel KV digest query answered", id, zap.String("status", status), zap.Int("digest_bytes", len(reply.Digest)))
+	return seal(body)
+}
+
+// kvDigest calls the provider, turning a panic into an error.
+func (l *Listener) kvDigest(requestID string) (status string, digest []byte, err error) {
+	if l.cfg.KVDigest == nil {
+		return KVDigestNone, nil, nil
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			l.log.Error("side-channel KV digest provider panicked", zap.String("request_id", requestID), zap.Any("panic", p), zap.Stack("stack"))
+			status, digest, err = "", nil, fmt.Errorf("the KV digest provider panicked: %v", p)
+		}
+	}()
+	status, digest = l.cfg.KVDigest(requestID)
+	return status, digest, nil
 }

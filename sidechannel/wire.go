@@ -1,6 +1,7 @@
 package sidechannel
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 )
@@ -544,4 +545,185 @@ func DecodeClock(b []byte) (seconds float64, err error) {
 		return 0, toDecodeError("clock", err)
 	}
 	return v, nil
+}
+
+// ---- KV digest query (gonixl only) ----
+
+// KVDigestMsg is the first element of a KV digest query [tag, request_id].
+const KVDigestMsg = "gonixl_kv_digest"
+
+// MaxKVRequestIDLen bounds the request id of a KV digest query, in bytes.
+const MaxKVRequestIDLen = 1024
+
+// KV digest reply statuses.
+const (
+	KVDigestOK      = "ok"      // Digest holds the bytes
+	KVDigestPending = "pending" // held, digest not in yet: ask again
+	KVDigestNone    = "none"    // nothing to serve (not an error)
+	KVDigestError   = "error"   // bad request or authentication; Message says why
+)
+
+// KVDigestRequest is a decoded KV digest query.
+type KVDigestRequest struct {
+	Tag       []byte // KVDigestMsg, possibly followed by authentication
+	RequestID string
+}
+
+// EncodeKVDigestRequest returns msgpack of [b"gonixl_kv_digest", request_id]
+// (no authentication). DecodeKVDigestRequest refuses ids that are empty or
+// longer than MaxKVRequestIDLen bytes.
+func EncodeKVDigestRequest(requestID string) []byte {
+	return encodeKVDigestRequest([]byte(KVDigestMsg), requestID)
+}
+
+func encodeKVDigestRequest(tag []byte, requestID string) []byte {
+	w := mpWriter{b: make([]byte, 0, 16+len(tag)+len(requestID))}
+	w.arrayHeader(2)
+	w.bin(tag)
+	w.str(requestID)
+	return w.b
+}
+
+func checkKVRequestID(id string) error {
+	if len(id) == 0 || len(id) > MaxKVRequestIDLen {
+		return fmt.Errorf("request id of %d bytes, want 1..%d", len(id), MaxKVRequestIDLen)
+	}
+	return nil
+}
+
+// DecodeKVDigestRequest decodes [tag, request_id]: exactly two elements, the
+// tag bin (or str) and either KVDigestMsg or its authenticated form, the id a
+// UTF-8 str of 1..MaxKVRequestIDLen bytes, no trailing bytes. It returns nil
+// exactly when it returns an error.
+func DecodeKVDigestRequest(b []byte) (*KVDigestRequest, error) {
+	r := &mpReader{b: b}
+	fail := func(err error) (*KVDigestRequest, error) { return nil, toDecodeError("KV digest request", err) }
+	n, err := r.arrayLen()
+	if err != nil {
+		return fail(err)
+	}
+	if n != 2 {
+		return fail(fmt.Errorf("expected `array` of length 2, got %d", n))
+	}
+	tag, err := readTag(r)
+	if err != nil {
+		return fail(indexErr(0, err))
+	}
+	if string(tag) != KVDigestMsg {
+		if _, _, ok := splitKVDigestAuthTag(tag); !ok {
+			return fail(indexErr(0, fmt.Errorf("unexpected tag %q, want %q", truncate(tag, 64), KVDigestMsg)))
+		}
+	}
+	id, err := r.str()
+	if err == nil {
+		err = checkKVRequestID(id)
+	}
+	if err != nil {
+		return fail(indexErr(1, err))
+	}
+	if r.remaining() != 0 {
+		return fail(fmt.Errorf("malformed data: trailing characters (byte %d)", r.off))
+	}
+	return &KVDigestRequest{Tag: append([]byte{}, tag...), RequestID: id}, nil
+}
+
+// readTag reads a bin or str element as raw bytes (a view into the input).
+func readTag(r *mpReader) ([]byte, error) {
+	if k, _ := r.peek(); k == kStr {
+		return r.strBytes()
+	}
+	return r.binView()
+}
+
+func truncate(b []byte, n int) []byte {
+	if len(b) > n {
+		return b[:n]
+	}
+	return b
+}
+
+// isKVDigestQuery tells the listener which of the two request kinds a
+// request frame is: an array whose first element is a bin/str starting with
+// KVDigestMsg, or an array of two elements whose first is not a
+// "get_meta_msg" tag. Everything else (every vLLM request, well formed or
+// not) takes the handshake path exactly as before.
+func isKVDigestQuery(b []byte) bool {
+	r := &mpReader{b: b}
+	n, err := r.arrayLen()
+	if err != nil || n == 0 {
+		return false
+	}
+	if k, _ := r.peek(); k != kStr && k != kBin {
+		return n == 2
+	}
+	tag, err := readTag(r)
+	switch {
+	case err != nil:
+		return n == 2
+	case bytes.HasPrefix(tag, []byte(KVDigestMsg)):
+		return true
+	default:
+		return n == 2 && !bytes.HasPrefix(tag, []byte(GetMetaMsg))
+	}
+}
+
+// KVDigestReply is the body frame of a KV digest reply.
+type KVDigestReply struct {
+	Status  string // KVDigestOK, KVDigestPending, KVDigestNone or KVDigestError
+	Message string
+	Digest  []byte
+}
+
+// Encode returns msgpack map {"status": str, "message": str, "digest": bin}
+// (keys in that order; a nil Digest encodes as empty bin).
+func (p *KVDigestReply) Encode() []byte {
+	w := mpWriter{b: make([]byte, 0, 48+len(p.Message)+len(p.Digest))}
+	w.mapHeader(3)
+	w.str("status")
+	w.str(p.Status)
+	w.str("message")
+	w.str(p.Message)
+	w.str("digest")
+	w.bin(p.Digest)
+	return w.b
+}
+
+// DecodeKVDigestReply decodes a KV digest reply body. "status" is required
+// and must be one of the four statuses; "message" and "digest" default to
+// empty; unknown keys are skipped; trailing bytes are an error. It returns
+// nil exactly when it returns an error.
+func DecodeKVDigestReply(b []byte) (*KVDigestReply, error) {
+	var p KVDigestReply
+	var status bool
+	err := decodeObject(b, func(r *mpReader, key string) (bool, error) {
+		var err error
+		switch key {
+		case "status":
+			p.Status, err = r.str()
+			if err == nil {
+				switch p.Status {
+				case KVDigestOK, KVDigestPending, KVDigestNone, KVDigestError:
+				default:
+					err = fmt.Errorf("unknown status %q", p.Status)
+				}
+			}
+			status = true
+		case "message":
+			p.Message, err = r.str()
+		case "digest":
+			p.Digest, err = r.bin()
+		default:
+			return false, nil
+		}
+		return true, err
+	}, func() error {
+		return missing(!status, "status")
+	})
+	if err != nil {
+		return nil, toDecodeError("KV digest reply", err)
+	}
+	if p.Digest == nil {
+		p.Digest = []byte{}
+	}
+	return &p, nil
 }
