@@ -362,6 +362,17 @@ func gonixl_scheduler_update_connector_output(h C.gonixl_scheduler_t, j *C.char,
 	})
 }
 
+//export gonixl_scheduler_kv_digests
+func gonixl_scheduler_kv_digests(h C.gonixl_scheduler_t, j *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
+		b, err := readIn(j, n, "digests_json")
+		if err != nil {
+			return err
+		}
+		return s.SetKVDigests(b)
+	})
+}
+
 //export gonixl_scheduler_set_handshake_payload
 func gonixl_scheduler_set_handshake_payload(h C.gonixl_scheduler_t, pp, tp C.int32_t, payload *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return onScheduler(h, cerr, func(s *shim.Scheduler) error {

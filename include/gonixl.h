@@ -39,7 +39,7 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change to this header. */
-#define GONIXL_ABI_VERSION 4
+#define GONIXL_ABI_VERSION 5
 
 /* Status codes. Append-only: never renumber. */
 typedef int32_t gonixl_status_t;
@@ -191,6 +191,13 @@ gonixl_status_t gonixl_scheduler_pending_block_frees(gonixl_scheduler_t h, int32
 gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,
                                                          char *finished_recving_json,
                                                          size_t json_len, gonixl_error_t *err);
+
+/* kv_digests (a bidirectional decode, kv_digest_readback): the workers'
+ * digests of blocks held for a read-back, a JSON object by request id of
+ * gonixl_kv_digest values (null: not digested). The side channel serves them
+ * to the reader (docs/PROTOCOL.md). */
+gonixl_status_t gonixl_scheduler_kv_digests(gonixl_scheduler_t h, char *digests_json,
+                                            size_t json_len, gonixl_error_t *err);
 
 /* set_xfer_handshake_metadata: serves one worker's encoded handshake payload
  * for (pp_rank, tp_rank); starts the side-channel listener on first use. */

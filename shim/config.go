@@ -66,6 +66,10 @@ type Config struct {
 	ProgressDelayUs        int      `json:"-"` // gonixl: NIXL progress thread's wait for an event, µs
 	PostOffModelThread     bool     `json:"-"` // gonixl: post from the worker's poster when Post copies (post.go)
 	KVDigest               string   `json:"-"` // gonixl: KVDigestOff, KVDigestVerify or KVDigestFail (kvdigest.go)
+	// KVDigestReadback (set by the Python connector, a bidirectional
+	// decode's scheduler): its workers digest the blocks it holds for a
+	// read-back, and the side channel serves the digests (kvdigest_serve.go).
+	KVDigestReadback bool `json:"kv_digest_readback"`
 
 	// Worker-side facts the Python connector reads from vLLM's config.
 	// TransferMode is "pull" (NixlConnector: the decode READs) or "push"
@@ -274,6 +278,7 @@ func (c *Config) applyDefaults() error {
 	default:
 		return fmt.Errorf("config: kv_connector_extra_config.kv_digest must be off, verify or fail, got %q", c.KVDigest)
 	}
+	c.KVDigestReadback = c.KVDigestReadback && c.KVDigest != KVDigestOff && c.BidirectionalKVXfer
 	return nil
 }
 

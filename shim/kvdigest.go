@@ -318,6 +318,13 @@ type digestCheck struct {
 	pos     [][]int64
 	whole   []bool
 	regions [][]uint64
+	// A read-back's digests come from the decode's side channel
+	// (kvdigest_readback.go): fetch delivers them, and fill (with skip,
+	// where each group's read starts in the decode's list) sets the fields
+	// above in the check's goroutine.
+	fetch <-chan fetchedDigest
+	skip  []int
+	adv   BlockIDs
 }
 
 // digestCheckLocked prepares the check of st's READ of local from remote
@@ -325,13 +332,15 @@ type digestCheck struct {
 // (kv_digest off, a peer that sent no digests, a layout the digests do not
 // follow), logged once per reason and engine.
 func (w *Worker) digestCheckLocked(st *recvState, re *remoteEngine, local, remote BlockIDs) *digestCheck {
-	if w.cfg.KVDigest == KVDigestOff || st.meta.Readback {
+	if w.cfg.KVDigest == KVDigestOff {
 		return nil
 	}
 	d := st.meta.Remote.Digest
 	why := ""
 	switch {
-	case d == nil:
+	case st.meta.Readback && !st.meta.Remote.DigestServed:
+		why = "the decode serves no KV digests of the blocks it holds (a stock engine, or gonixl with kv_digest off)"
+	case !st.meta.Readback && d == nil:
 		why = "the prefill sent no KV digests (a stock engine, or gonixl with kv_digest off)"
 	case re.blockRatio > 1:
 		why = "its block size differs from this engine's (digests follow whole blocks)"
@@ -339,40 +348,93 @@ func (w *Worker) digestCheckLocked(st *recvState, re *remoteEngine, local, remot
 		why = "its tp_size differs from this engine's (digests follow a rank's whole blocks)"
 	case w.canDigestLocked() != "":
 		why = w.canDigestLocked()
-	case re.plan.sources[0] >= len(d.Ranks) || len(d.First) != len(local):
-		why = "its digests do not match its ranks or groups"
 	}
 	if why != "" {
 		w.readUncheckedLocked(st, re.id, why)
 		return nil
 	}
-	rank := re.plan.sources[0]
-	rd := d.Ranks[rank]
-	c := &digestCheck{rank: rank, local: local, remote: remote, want: make([][]uint64, len(local)), tokens: make([][]int64, len(local)),
-		pos: make([][]int64, len(local)), whole: make([]bool, len(local)), regions: rd.Regions}
+	c := &digestCheck{rank: re.plan.sources[0], local: local, remote: remote, adv: st.meta.Remote.BlockIDs, skip: w.readSkips(st.meta, local)}
+	if st.meta.Readback {
+		c.fetch = w.fetchDigestLocked(st)
+		return c
+	}
+	if why := c.fill(d, w.blockSize); why != "" {
+		w.readUncheckedLocked(st, re.id, why)
+		return nil
+	}
+	return c
+}
+
+// readSkips is, per group, where the blocks read start in the remote list
+// (pairBlocks: a pull reads the list's tail; a read-back reads from the
+// blocks this engine has cached, trimmed at the end to what it allocated).
+func (w *Worker) readSkips(rr *RecvReq, local BlockIDs) []int {
+	out := make([]int, len(local))
 	for g := range local {
-		adv := st.meta.Remote.BlockIDs[g]
-		skip := len(adv) - len(local[g])
-		if skip < 0 || len(rd.Blocks[g]) != len(adv) {
-			w.readUncheckedLocked(st, re.id, fmt.Sprintf("its digests of group %d do not match the blocks read", g))
-			return nil
+		adv := rr.Remote.BlockIDs
+		if g >= len(adv) {
+			continue
 		}
-		c.whole[g] = skip == 0
-		for k := range local[g] {
+		out[g] = len(adv[g]) - len(local[g])
+		window := 0
+		if g < len(w.cfg.TransferGroups) && w.cfg.HMARequired {
+			window = w.cfg.TransferGroups[g].blocksInWindow()
+		}
+		if rr.Readback && window == 0 && g < len(rr.LocalNumComputed) && len(local[g]) > 0 &&
+			int64(len(adv[g])) >= rr.LocalNumComputed[g]+int64(len(local[g])) {
+			out[g] = int(rr.LocalNumComputed[g])
+		}
+	}
+	return out
+}
+
+// fill sets what c's blocks must hash to from the remote's digests d; it
+// returns why they cannot be checked ("" when they can).
+func (c *digestCheck) fill(d *kvwire.KVDigest, blockSize int64) string {
+	if c.rank >= len(d.Ranks) || len(d.First) != len(c.local) || len(c.adv) != len(c.local) {
+		return "its digests do not match its ranks or groups"
+	}
+	rd := d.Ranks[c.rank]
+	n := len(c.local)
+	c.want, c.tokens, c.pos, c.whole, c.regions = make([][]uint64, n), make([][]int64, n), make([][]int64, n), make([]bool, n), rd.Regions
+	for g := range c.local {
+		skip := c.skip[g]
+		if skip < 0 || skip+len(c.local[g]) > len(c.adv[g]) || len(rd.Blocks[g]) != len(c.adv[g]) {
+			return fmt.Sprintf("its digests of group %d do not match the blocks read", g)
+		}
+		c.whole[g] = skip == 0 && len(c.local[g]) == len(c.adv[g])
+		for k := range c.local[g] {
 			j := skip + k
 			pos := d.First[g] + int64(j)
 			c.want[g] = append(c.want[g], rd.Blocks[g][j])
 			c.pos[g] = append(c.pos[g], pos)
-			c.tokens[g] = append(c.tokens[g], min(w.blockSize, d.Tokens-pos*w.blockSize))
+			c.tokens[g] = append(c.tokens[g], min(blockSize, d.Tokens-pos*blockSize))
 		}
 	}
-	return c
+	return ""
 }
 
 // digestResult is a check's local digests, per group.
 type digestResult struct {
 	blocks, regions [][]uint64
-	err             error // the hashing goroutine panicked
+	err             error  // the hashing goroutine panicked
+	unchecked       string // why a read-back's blocks cannot be checked
+}
+
+// runCheck is a check's goroutine: a read-back's digests first (fetched
+// while its READ ran), then the hashing.
+func (w *Worker) runCheck(c *digestCheck) digestResult {
+	if c.fetch != nil {
+		f := <-c.fetch
+		why := f.why
+		if why == "" {
+			why = c.fill(f.d, w.blockSize)
+		}
+		if why != "" {
+			return digestResult{unchecked: why}
+		}
+	}
+	return w.hashCheck(c)
 }
 
 // hashCheck hashes the local blocks of c. It reads only the registered
@@ -413,7 +475,7 @@ func (w *Worker) checkDoneLocked(st *recvState) bool {
 			done()
 		}, func() {
 			defer done()
-			ch <- w.hashCheck(c)
+			ch <- w.runCheck(c)
 			// The next step polls (the worker is busy while st waits);
 			// the counter also wakes a step that would skip its call.
 			w.mu.Lock()
@@ -441,6 +503,10 @@ func (w *Worker) checkDoneLocked(st *recvState) bool {
 // takeCheckLocked judges a check's result; one whose hashing failed is
 // not served under fail either (it could not be checked).
 func (w *Worker) takeCheckLocked(st *recvState, r digestResult) bool {
+	if r.unchecked != "" {
+		w.readUncheckedLocked(st, st.meta.Remote.EngineID, r.unchecked)
+		return true
+	}
 	if r.err != nil {
 		if w.cfg.KVDigest == KVDigestFail {
 			w.failLocked(st, "kv_digest_mismatch", "the KV could not be checked: "+r.err.Error()+"; the load fails (kv_load_failure_policy "+w.cfg.KVLoadFailurePolicy+")", nil)
@@ -502,7 +568,11 @@ func (w *Worker) judgeDigestLocked(st *recvState, r digestResult) bool {
 		return true
 	}
 	w.prom.digestMismatch.Inc()
-	msg := fmt.Sprintf("the KV read differs from the prefill's digests (kv_digest %s, remote tp_rank %d): %s", w.cfg.KVDigest, c.rank, strings.Join(bad, "; "))
+	whose := "the prefill's"
+	if st.meta.Readback {
+		whose = "the decode's"
+	}
+	msg := fmt.Sprintf("the KV read differs from %s digests (kv_digest %s, remote tp_rank %d): %s", whose, w.cfg.KVDigest, c.rank, strings.Join(bad, "; "))
 	if w.cfg.KVDigest == KVDigestVerify {
 		w.logFailure("kv_digest_mismatch", st, msg+"; served anyway (kv_digest verify)", nil)
 		return true

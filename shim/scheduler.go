@@ -40,6 +40,7 @@ type Scheduler struct {
 	lastHeartbeat     float64
 	hbInterval        float64
 	listener          *sidechannel.Listener
+	served            servedDigests // a decode's read-back digests (kvdigest_serve.go)
 	// instance: this scheduler process's random id, in the params it makes
 	// and in the handshake metadata it serves (kvwire.KeyInstance).
 	instance string
@@ -310,6 +311,9 @@ func (s *Scheduler) UpdateStateAfterAlloc(reqID string, p *TransferParams, local
 					NumTokens: p.RemoteNumTokens,
 					Instance:  p.Instance,
 					Digest:    s.digestFor(reqID, p),
+					// A read-back's digests come from the decode's side
+					// channel (kvdigest_serve.go).
+					DigestServed: !p.DoRemotePrefill && p.KVDigestServed && s.cfg.KVDigest != KVDigestOff,
 				},
 			}
 			s.addRecvLocked(reqID, rr)
@@ -517,6 +521,12 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 		TransferMode:    s.cfg.TransferMode,
 		Instance:        s.instance,
 	}
+	if isD && delay && s.cfg.KVDigestReadback {
+		// The workers digest the held blocks in the next step; the
+		// side channel serves the digests until the hold is over.
+		out.KVDigestServed = true
+		s.serveDigestLocked(reqID, s.cfg.DecoderKVBlocksTTL)
+	}
 	b, err := json.Marshal(out)
 	if err != nil {
 		return false, nil, err
@@ -581,6 +591,7 @@ func (s *Scheduler) SetHandshakePayload(pp, tp int, payload []byte) (err error) 
 			Secret:   sidechannel.ResolveSecret(s.cfg.SideChannelSecret, env),
 			Logger:   s.log,
 			Clock:    s.clock,
+			KVDigest: s.listenerDigests(),
 		})
 		if err != nil {
 			return err

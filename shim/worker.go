@@ -1,6 +1,7 @@
 package shim
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
@@ -62,20 +63,24 @@ type Worker struct {
 	// their own goroutines (goSafe) and take mu only to record their
 	// result (finishHandshake), never while waiting on the network: the
 	// side-channel client (hs) is used from those goroutines, without mu.
-	mu             sync.Mutex
-	closed         bool
-	engine         nixl.Engine
-	agent          nixl.Agent
-	layout         *KVLayout
-	localList      nixl.DescList
-	slotLists      map[int][]nixl.DescList // local blocks split in n slots (tpmap.go), by n
-	subLists       map[int]nixl.DescList   // local blocks as n sub-blocks each, by n (a smaller remote block size)
-	blockReshape   string                  // WorkerInit.BlockReshape
-	headSize       int64                   // WorkerInit.HeadSize
-	noted          map[string]bool         // log lines printed once (noteOnce)
-	kvFaults       bool                    // EnvKVFault: test fault injection (kvfault.go)
-	checks         sync.WaitGroup          // KV digest checks hashing off the lock (kvdigest.go)
-	kernelLayout   string                  // WorkerInit.KernelLayout
+	mu           sync.Mutex
+	closed       bool
+	engine       nixl.Engine
+	agent        nixl.Agent
+	layout       *KVLayout
+	localList    nixl.DescList
+	slotLists    map[int][]nixl.DescList // local blocks split in n slots (tpmap.go), by n
+	subLists     map[int]nixl.DescList   // local blocks as n sub-blocks each, by n (a smaller remote block size)
+	blockReshape string                  // WorkerInit.BlockReshape
+	headSize     int64                   // WorkerInit.HeadSize
+	noted        map[string]bool         // log lines printed once (noteOnce)
+	kvFaults     bool                    // EnvKVFault: test fault injection (kvfault.go)
+	checks       sync.WaitGroup          // KV digest checks hashing off the lock (kvdigest.go)
+	// fetches: a read-back's digest fetches (kvdigest_readback.go), ended
+	// by Close before it waits for the checks that wait for them.
+	fetches        context.Context
+	stopFetches    context.CancelFunc
+	kernelLayout   string // WorkerInit.KernelLayout
 	payload        []byte
 	compatHash     string
 	hs             *sidechannel.Client
@@ -183,6 +188,7 @@ func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
 		w.leaseExtend = cfg.KVLeaseDuration * 2 / 3
 	}
 	w.kvFaults = kvFaultsFromEnv(w.log)
+	w.fetches, w.stopFetches = context.WithCancel(context.Background())
 	prom.registerLive(cfg.EngineID, w.Live)
 	serveMetrics(cfg, prom.reg, true, w.log)
 	return w, nil
@@ -466,6 +472,7 @@ func (w *Worker) Close() error {
 	// No handle is released under a post (post.go): the poster ends
 	// after its batch.
 	w.waitPosterForClose()
+	w.stopFetches()
 	w.waitChecksForClose()
 	if w.evictTimer != nil {
 		w.evictTimer.Stop()

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from . import errors
 
 #: Must equal GONIXL_ABI_VERSION in include/gonixl.h.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 ERROR_MESSAGE_SIZE = 512
 
@@ -118,6 +118,9 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     # gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,
     #     char *finished_recving_json, size_t json_len, gonixl_error_t *err);
     ("gonixl_scheduler_update_connector_output", status_t, [handle_t, buf, size, error_p]),
+    # gonixl_status_t gonixl_scheduler_kv_digests(gonixl_scheduler_t h, char *digests_json,
+    #     size_t json_len, gonixl_error_t *err);
+    ("gonixl_scheduler_kv_digests", status_t, [handle_t, buf, size, error_p]),
     # gonixl_status_t gonixl_scheduler_set_handshake_payload(gonixl_scheduler_t h, int32_t pp_rank,
     #     int32_t tp_rank, char *payload, size_t payload_len, gonixl_error_t *err);
     ("gonixl_scheduler_set_handshake_payload", status_t, [handle_t, i32, i32, buf, size, error_p]),
@@ -210,6 +213,7 @@ HOT = frozenset(
         "gonixl_scheduler_push_preempted",
         "gonixl_scheduler_pending_block_frees",
         "gonixl_scheduler_update_connector_output",
+        "gonixl_scheduler_kv_digests",
         "gonixl_worker_start_load_kv",
         "gonixl_worker_get_finished",
         "gonixl_worker_load_errors",

@@ -286,6 +286,12 @@ class Scheduler:
         if j != b"[]":
             _lib.call("gonixl_scheduler_update_connector_output", self.handle, j, len(j))
 
+    def kv_digests(self, digests: Mapping[str, Any]) -> None:
+        """The workers' digests of blocks held for a read-back, by request
+        id (None: not digested); the side channel serves them."""
+        j = json.dumps(digests).encode()
+        _lib.call("gonixl_scheduler_kv_digests", self.handle, j, len(j))
+
     def request_finished(
         self,
         req_id: str,

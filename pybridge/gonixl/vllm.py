@@ -203,12 +203,31 @@ PROMPT_DIGEST_KEY = "gonixl_prompt_digest"
 #: A pull prefill's digests of the KV of the blocks its params name
 #: (shim/kvwire/kvdigest.go, docs/PROTOCOL.md).
 KV_DIGEST_KEY = "gonixl_kv_digest"
+#: On a bidirectional decode's params: the digests of the blocks they name
+#: are served on its side channel (shim/kvdigest_readback.go).
+KV_DIGEST_SERVED_KEY = "gonixl_kv_digest_served"
+#: Seconds a decode waits for its workers' digests of a held request before
+#: it serves the request as not digested.
+_READBACK_DIGEST_WAIT = 10.0
+
+
+def _last_places(groups: Any) -> list[list[int]]:
+    """Block ids per group as lists, a block id listed twice (a
+    sliding-window block freed and given back to the same request) kept at
+    its last position only (-1 elsewhere: not digested)."""
+    out = [list(g) for g in groups]
+    for g in out:
+        last = {b: j for j, b in enumerate(g)}
+        g[:] = [b if last[b] == j else -1 for j, b in enumerate(g)]
+    return out
 
 
 def _pack_u64(values: Sequence[int]) -> str:
     """64-bit digests as kv_transfer_params carry them: base64 of
     little-endian uint64s."""
     return base64.b64encode(struct.pack(f"<{len(values)}Q", *values)).decode()
+
+
 # A gonixl decode's params carry the wall-clock end of its blocks' TTL (no
 # stock engine sends it): params with it come from a gonixl decode.
 EXPIRY_UNIX_KEY = "gonixl_expiry_unix"
@@ -326,7 +345,11 @@ def _layer_specs(kv_cache_config: "KVCacheConfig") -> dict[str, tuple[int, str, 
 
 
 def _config_json(
-    vllm_config: VllmConfig, role: str, kv_cache_config: Optional["KVCacheConfig"] = None, transfer_mode: str = "pull"
+    vllm_config: VllmConfig,
+    role: str,
+    kv_cache_config: Optional["KVCacheConfig"] = None,
+    transfer_mode: str = "pull",
+    kv_digest_readback: bool = False,
 ) -> bytes:
     ktc = vllm_config.kv_transfer_config
     assert ktc is not None  # vLLM builds a connector only from a kv_transfer_config
@@ -350,6 +373,7 @@ def _config_json(
         "side_channel_port": envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
         "kv_connector_extra_config": ktc.kv_connector_extra_config or {},
         "transfer_mode": transfer_mode,
+        "kv_digest_readback": kv_digest_readback,
     }
     if kv_cache_config is not None:
         cfg["transfer_groups"], cfg["hma_required"] = _transfer_groups(vllm_config, kv_cache_config)
@@ -518,6 +542,10 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # request_finished returned in the same update_from_output (vLLM
         # sends the outputs after it). On a worker: the step's digests, by
         # request id.
+        # A bidirectional decode's scheduler does the same for the blocks it
+        # holds for a read-back, one step after request_finished (its params
+        # have left by then): the digests go to the library, whose side
+        # channel serves them to the reader (shim/kvdigest_readback.go).
         self._kv_digest = str(extra.get("kv_digest", "fail"))
         self._digest_ok = (
             self._TRANSFER_MODE == "pull"
@@ -525,7 +553,14 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             and ktc.kv_role != "kv_consumer"
             and self._kv_digest != "off"
         )
-        if self._digest_ok:
+        self._readback_digest_ok = (
+            self._TRANSFER_MODE == "pull"
+            and role == KVConnectorRole.SCHEDULER
+            and ktc.kv_role != "kv_producer"
+            and bidirectional
+            and self._kv_digest != "off"
+        )
+        if self._digest_ok or self._readback_digest_ok:
             from vllm.platforms import current_platform
 
             # Not digested (the decode reads unchecked, and says so): KV in
@@ -541,13 +576,17 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             elif vllm_config.speculative_config is not None:
                 why = "speculative decoding is configured"
             if why:
-                self._digest_ok = False
-                logger.info("GoNixlConnector: no KV digests are taken on this prefill (%s); decodes read its KV unchecked", why)
+                self._digest_ok = self._readback_digest_ok = False
+                logger.info("GoNixlConnector: no KV digests are taken on this engine (%s); its KV is read unchecked", why)
         self._digest_watch: dict[str, tuple["Request", list[list[int]]]] = {}
         self._digest_sent: dict[str, tuple[int, list[list[int]]]] = {}
         self._digest_waiting: dict[str, dict[str, Any]] = {}  # params of this step's finished requests
         self._digest_early: dict[str, dict[int, Any]] = {}  # digests that came before their request_finished
         self._digests: dict[str, dict[int, Any]] = {}
+        # Read-back holds to digest in the next step, and those asked for
+        # whose digests have not come (params, when asked).
+        self._readback_due: dict[str, tuple[int, list[list[int]], dict[str, Any]]] = {}
+        self._readback_asked: dict[str, tuple[dict[str, Any], float]] = {}
         self._rank = 0  # the worker's tp rank, from register_kv_caches
         # The next step's metadata carries preemptions for the workers.
         self._fence_next = False
@@ -570,7 +609,9 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._poll_next = True
         mode = self._TRANSFER_MODE
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = Scheduler(_config_json(vllm_config, "scheduler", kv_cache_config, mode))
+            self._sched = Scheduler(
+                _config_json(vllm_config, "scheduler", kv_cache_config, mode, kv_digest_readback=self._readback_digest_ok)
+            )
         elif role == KVConnectorRole.WORKER:
             _request_amx_tile_permission()
             self._worker = Worker(_config_json(vllm_config, "worker", kv_cache_config, mode))
@@ -851,12 +892,22 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         same prompt) counts at its last position."""
         out = []
         for req, acc in self._prompts_done(self._digest_watch, scheduler_output):
-            groups = [list(g) for g in self._transfer_ids(tuple(acc))]
-            for g in groups:
-                last = {b: j for j, b in enumerate(g)}
-                g[:] = [b if last[b] == j else -1 for j, b in enumerate(g)]
+            groups = _last_places(self._transfer_ids(tuple(acc)))
             self._digest_sent[req.request_id] = (req.num_prompt_tokens, groups)
             out.append({"id": req.request_id, "tokens": req.num_prompt_tokens, "blocks": groups})
+        return out
+
+    def _readback_holds(self) -> list[dict[str, Any]]:
+        """A bidirectional decode: the blocks request_finished held for a
+        read-back since the last step, for the workers to digest after this
+        step's forward (the step that made them final is done)."""
+        out = []
+        now = time.monotonic()
+        for rid, (tokens, groups, params) in self._readback_due.items():
+            self._digest_sent[rid] = (tokens, groups)
+            self._readback_asked[rid] = (params, now)
+            out.append({"id": rid, "tokens": tokens, "blocks": groups})
+        self._readback_due.clear()
         return out
 
     def _push_prompts_done(self, scheduler_output: "SchedulerOutput") -> bool:
@@ -919,6 +970,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                 self._digest_sent.pop(rid, None)
                 self._digest_early.pop(rid, None)
         digest = self._digest_prompts_done(scheduler_output) if self._digest_watch else None
+        if self._readback_due:
+            digest = (digest or []) + self._readback_holds()
         if self._sched_dirty or (self._sched_due is not None and time.monotonic() >= self._sched_due):
             # The library answers b"" for an idle step (no work, no timer
             # due), which stays idle until one of the calls that set
@@ -957,6 +1010,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return GoNixlConnectorMetadata(data, save=save, recv=recv, preempted=preempted, digest=digest)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        if self._readback_asked:
+            self._serve_digests(getattr(connector_output, "kv_connector_worker_meta", None))
         if self._digest_sent:
             self._take_digests(getattr(connector_output, "kv_connector_worker_meta", None))
         adm = self._admission
@@ -1001,6 +1056,33 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         for rid in self._digest_waiting:
             self._digest_sent.pop(rid, None)
         self._digest_waiting.clear()
+
+    def _serve_digests(self, meta: Any) -> None:
+        """A bidirectional decode: the workers' digests of held blocks go to
+        the library, which serves them to the reader; a hold whose digests
+        did not come within _READBACK_DIGEST_WAIT seconds of the step that
+        asked is served as not digested (its reader stops waiting)."""
+        served: dict[str, Any] = {}
+        if isinstance(meta, GoNixlWorkerMeta):
+            for rid, ranks in meta.digests.items():
+                asked = self._readback_asked.pop(rid, None)
+                if asked is None:
+                    continue
+                params = {k: asked[0].get(k) for k in ("remote_block_ids", "tp_size")}
+                self._attach_digest(rid, params, ranks)
+                served[rid] = params.get(KV_DIGEST_KEY)
+        now = time.monotonic()
+        for rid in [r for r, (_, t) in self._readback_asked.items() if now - t > _READBACK_DIGEST_WAIT]:
+            del self._readback_asked[rid]
+            self._digest_sent.pop(rid, None)
+            served[rid] = None
+        if served:
+            try:
+                self._scheduler().kv_digests(served)
+            except Exception as e:  # a read-back goes unchecked, never the engine down
+                logger.warning(
+                    "GoNixlConnector: serving KV digests failed (%s); read-backs of %d requests go unchecked", e, len(served)
+                )
 
     def _attach_digest(self, rid: str, params: dict[str, Any], ranks: dict[int, Any]) -> None:
         """Adds gonixl_kv_digest to a finished request's params: each rank's
@@ -1123,6 +1205,11 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             tdigest = token_digest(request.all_token_ids, n, self._block_size)
             if tdigest is not None:
                 params[READBACK_DIGEST_KEY] = tdigest
+            if delay and params.get(KV_DIGEST_SERVED_KEY):
+                # Digested by the workers in the next step (their KV is
+                # final: the step that wrote the last advertised token is
+                # done by then), served by the library's side channel.
+                self._readback_due[rid] = (n, _last_places(transfer_ids), params)
         return delay, params
 
     def has_pending_push_work(self) -> bool:

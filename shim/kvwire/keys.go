@@ -28,6 +28,11 @@ const (
 	// (sidechannel.InstanceKey). A reader whose handshake finds another id
 	// at that engine id and address (a restart) does not read.
 	KeyInstance = "gonixl_instance"
+	// KeyKVDigestServed: true on a gonixl decode's params when the digests
+	// of the blocks they name are served on its side channel under
+	// remote_request_id (sidechannel.KVDigestMsg): the params leave with
+	// the request's last output, before its workers hashed the blocks.
+	KeyKVDigestServed = "gonixl_kv_digest_served"
 )
 
 // OutParams is the kv_transfer_params dict request_finished returns, with
@@ -50,4 +55,6 @@ type OutParams struct {
 	// at which the decode frees the blocks (decoder_kv_blocks_ttl).
 	ExpiryUnix *float64 `json:"gonixl_expiry_unix,omitempty"` // KeyExpiryUnix
 	Instance   string   `json:"gonixl_instance,omitempty"`    // KeyInstance
+	// KVDigestServed (a decode's params only): KeyKVDigestServed.
+	KVDigestServed bool `json:"gonixl_kv_digest_served,omitempty"`
 }

@@ -74,8 +74,11 @@ type TransferParams struct {
 	// digests of the KV the prefill computed for RemoteBlockIDs;
 	// KVDigestErr says why one present was not taken (the blocks are then
 	// read unchecked, and the reader logs it).
-	KVDigest        *KVDigest
-	KVDigestErr     error
+	KVDigest    *KVDigest
+	KVDigestErr error
+	// KVDigestServed (gonixl_kv_digest_served): a decode's params whose
+	// blocks' digests its side channel serves (a bidirectional read-back).
+	KVDigestServed  bool
 	BlocksProcessed bool // _remote_blocks_processed
 	hasEngine       bool
 	hasRequest      bool
@@ -227,6 +230,11 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 		}
 		p.RemoteBlockIDs = b
 		p.HasRemoteBlocks = !b.Empty()
+	}
+	if v, ok, err := getBool(raw, KeyKVDigestServed); err != nil {
+		return nil, err
+	} else if ok {
+		p.KVDigestServed = v
 	}
 	if d, ok := raw[KeyKVDigest]; ok && string(d) != "null" {
 		p.KVDigest, p.KVDigestErr = ParseKVDigest(d, p.RemoteBlockIDs)

@@ -21,6 +21,10 @@ type RemoteMeta struct {
 	Instance  string   `msgpack:"instance,omitempty"` // gonixl_instance of the params
 	// Digest: gonixl_kv_digest of the params, when the decode checks it.
 	Digest *KVDigest `msgpack:"digest,omitempty"`
+	// DigestServed (a read-back): the decode serves the digests of these
+	// blocks on its side channel (gonixl_kv_digest_served), and the reader
+	// checks against them.
+	DigestServed bool `msgpack:"digest_served,omitempty"`
 }
 
 // RecvReq is one request the worker must load (vLLM's ReqMeta).

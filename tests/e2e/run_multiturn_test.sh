@@ -69,7 +69,9 @@ for i in $(seq 0 $((NP - 1))); do
   cfg=$(go_cfg kv_producer)
   [ "$INTEROP" = 1 ] && [ "$i" = 1 ] && cfg=$(stock_cfg kv_producer)
   P_PORTS+=("$(free_port)")
-  start_vllm "prefill$i" "${P_PORTS[i]}" "$(free_port)" "$cfg"
+  # gonixl's own metrics (the read-backs' KV digest counters), and the
+  # test-only damage of READs of requests named for it (shim/kvfault.go).
+  start_vllm "prefill$i" "${P_PORTS[i]}" "$(free_port)" "$cfg" GONIXL_METRICS_PORT="$(free_port)" GONIXL_TEST_KV_FAULT=1
   P_URLS+=("http://127.0.0.1:${P_PORTS[i]}")
 done
 COMMON=("${SAVED[@]}")
@@ -77,7 +79,7 @@ for i in $(seq 0 $((ND - 1))); do
   cfg=$(go_cfg kv_consumer)
   [ "$INTEROP" = 1 ] && [ "$i" = 0 ] && cfg=$(stock_cfg kv_consumer)
   D_PORTS+=("$(free_port)")
-  start_vllm "decode$i" "${D_PORTS[i]}" "$(free_port)" "$cfg"
+  start_vllm "decode$i" "${D_PORTS[i]}" "$(free_port)" "$cfg" GONIXL_METRICS_PORT="$(free_port)"
   D_URLS+=("http://127.0.0.1:${D_PORTS[i]}")
 done
 e2e_baseline

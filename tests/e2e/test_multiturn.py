@@ -39,7 +39,14 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_common import PROMPT_TOKENS, counter, metrics, model_task, record_retry
+from e2e_common import (
+    PROMPT_TOKENS,
+    counter,
+    gonixl_metrics_urls,
+    metrics,
+    model_task,
+    record_retry,
+)
 
 ENV = os.environ.get
 PROXY = ENV("GONIXL_MT_PROXY")
@@ -397,8 +404,36 @@ def warm_pairs():
     yield
 
 
+def digest_counts(name: str) -> dict[str, float]:
+    """gonixl's KV digest counters of instance name (its log names the
+    metrics server GONIXL_METRICS_PORT started)."""
+    out = {"checked": 0.0, "unchecked": 0.0, "mismatches": 0.0}
+    for _, url in gonixl_metrics_urls(log(name)):
+        with urllib.request.urlopen(url, timeout=30) as r:
+            text = r.read().decode()
+        out["checked"] += counter(text, "gonixl_kv_digest_checked_blocks_total")
+        out["unchecked"] += counter(text, "gonixl_kv_digest_unchecked_total")
+        out["mismatches"] += counter(text, "gonixl_kv_digest_mismatches_total")
+    return out
+
+
+def check_digests(before: list[dict[str, float]]) -> None:
+    """Every block the prefills read back since before was checked against
+    the digest the decode's workers took of it (served on the decode's side
+    channel, shim/kvdigest_readback.go): none unchecked, no mismatch."""
+    after = [digest_counts(f"prefill{i}") for i in range(len(PREFILLS))]
+    delta = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in after[0]}
+    print(f"read-back KV digests: {delta}")
+    assert delta["mismatches"] == 0, delta
+    assert delta["unchecked"] == 0, f"read-backs read unchecked: {delta}"
+    assert delta["checked"] > 0, f"no read-back block was checked: {delta}"
+    decodes = "".join(log(f"decode{i}") for i in range(len(DECODES)))
+    assert "serving KV digests of blocks held for read-back" in decodes
+
+
 def test_concurrent_conversations_pull_the_history_back():
     before = prefill_sources()
+    digests = [digest_counts(f"prefill{i}") for i in range(len(PREFILLS))]
     with cf.ThreadPoolExecutor(3) as pool:
         futs = [
             pool.submit(converse, f"conv-{i}", [150 - 20 * i, 100, 80, 60], 100 + i)
@@ -415,6 +450,31 @@ def test_concurrent_conversations_pull_the_history_back():
     assert sum(t.pulled > 0 for t in turns) == 9, (
         "every turn from the second on pulls the history"
     )
+    if not INTEROP:  # a stock decode serves no digests
+        check_digests(digests)
+
+
+@needs_gonixl_pairs
+def test_a_damaged_read_back_fails_its_turn():
+    """The prefills run with GONIXL_TEST_KV_FAULT=1: a READ of a request
+    whose id names kvfault-flip has a bit of its first block flipped after
+    it landed. The read-back's check against the decode's digests catches
+    it, and the turn fails (kv_load_failure_policy fail) instead of being
+    answered from damaged KV; the turn before it is served."""
+    before = [digest_counts(f"prefill{i}") for i in range(len(PREFILLS))]
+    users = [e.prompt for e in model_task.examples(900, [150, 100])]
+    conv = "conv-kvfault-flip"
+    history = [{"role": "user", "content": users[0]}]
+    got, _ = chat(PROXY, history, conv, rid=f"{conv}-t0-")
+    assert got == chat(BASELINE, history)[0]
+    history += [{"role": "assistant", "content": got}, {"role": "user", "content": users[1]}]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        chat(PROXY, history, conv, rid=f"{conv}-t1-")
+    assert e.value.code >= 500, e.value
+    after = [digest_counts(f"prefill{i}") for i in range(len(PREFILLS))]
+    assert sum(a["mismatches"] - b["mismatches"] for a, b in zip(after, before)) == 1
+    lines = [ln for ln in prefill_logs().splitlines() if "kv_digest_mismatch" in ln and f"{conv}-t1-" in ln]
+    assert lines and "differs from the decode's digests" in lines[0], lines
 
 
 @pytest.mark.skipif(

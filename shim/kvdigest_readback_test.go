@@ -1,0 +1,219 @@
+package shim
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/gonixl/gonixl/nixl"
+	"github.com/gonixl/gonixl/nixl/nixltest"
+	"github.com/gonixl/gonixl/shim/kvwire"
+)
+
+// readbackRun is a bidirectional pair: d, a decode that holds a finished
+// request's blocks (serving their digests when serve), and p, the prefill
+// of the next turn that reads them back.
+type readbackRun struct {
+	p, d *side
+	logs *observer.ObservedLogs // p's worker
+}
+
+func newReadbackSide(t *testing.T, eng nixl.Engine, kvRole, id string, fill byte, extra map[string]any, serve bool) *side {
+	t.Helper()
+	port := freePort(t)
+	sc := testConfig(t, RoleScheduler, kvRole, id, port, extra)
+	sc.KVDigestReadback = serve && sc.KVDigest != KVDigestOff // what the Python connector sets
+	s, err := NewScheduler(sc, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := NewWorker(testConfig(t, RoleWorker, kvRole, id, port, extra), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	km := newKVMem(t, fill)
+	init := initFor(km)
+	init.BlockReshape, init.HeadSize = "head_major", tHeadDim
+	registerAndServe(t, s, w, eng, 0, init)
+	return &side{sched: s, work: w, kv: km, port: port}
+}
+
+func newReadbackRun(t *testing.T, mode string, serve bool) *readbackRun {
+	eng := nixltest.NewEngine("t")
+	extra := map[string]any{"kv_digest": mode, "bidirectional_kv_xfer": true, "kv_recompute_threshold": 1, "handshake_timeout": 3}
+	r := &readbackRun{
+		d: newReadbackSide(t, eng, "kv_consumer", "engine-d", 200, extra, serve),
+		p: newReadbackSide(t, eng, "kv_producer", "engine-p", 1, extra, false),
+	}
+	core, logs := observer.New(zapcore.InfoLevel)
+	r.p.work.mu.Lock()
+	r.p.work.log = zap.New(core)
+	r.p.work.mu.Unlock()
+	r.logs = logs
+	return r
+}
+
+// hold finishes decode request id, its KV in blocks (tokens of them
+// written): the params the next turn's prefill gets.
+func (r *readbackRun) hold(t *testing.T, id string, blocks []int64, tokens int64) []byte {
+	t.Helper()
+	delay, out, err := r.d.sched.RequestFinished(id, mustParams(t, `{"do_remote_prefill": false, "do_remote_decode": false}`), true, tokens, BlockIDs{blocks})
+	if err != nil || !delay {
+		t.Fatalf("request_finished: delay=%v err=%v", delay, err)
+	}
+	r.d.step(t)
+	return out
+}
+
+// digest is the decode's next step: its worker digests the held blocks and
+// the scheduler takes the digests (what the Python connector does with the
+// step's worker metadata).
+func (r *readbackRun) digest(t *testing.T, id string, blocks []int64, tokens int64) {
+	t.Helper()
+	in, _ := json.Marshal([]DigestReq{{ID: id, Tokens: tokens, Blocks: BlockIDs{blocks}}})
+	raw, err := r.d.work.KVDigests(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got map[string]DigestOut
+	if err := json.Unmarshal(raw, &got); err != nil {
+		t.Fatal(err)
+	}
+	d := got[id]
+	kd := kvwire.KVDigest{Alg: kvwire.KVDigestAlg, Tokens: tokens, First: []int64{0}, Ranks: []kvwire.RankDigest{{Blocks: d.Blocks, Regions: d.Regions}}}
+	b, _ := json.Marshal(map[string]any{id: kd})
+	if err := r.d.sched.SetKVDigests(b); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// readBack runs the next turn's prefill request pid over the decode's
+// params out into blocks local (cached: a local prefix hit) and returns
+// whether its load failed.
+func (r *readbackRun) readBack(t *testing.T, pid string, out []byte, prompt int64, local []int64, cached int64) bool {
+	t.Helper()
+	pp := mustParams(t, string(out))
+	n, async := r.p.sched.GetNumNewMatchedTokens(pp, prompt, cached*tBlockSize)
+	if n <= 0 || !async {
+		t.Fatalf("read-back matched %d async=%v", n, async)
+	}
+	if _, err := r.p.sched.UpdateStateAfterAlloc(pid, pp, BlockIDs{local}, []int64{cached}, n); err != nil {
+		t.Fatal(err)
+	}
+	r.p.step(t)
+	f := r.p.waitFinished(t, "read-back "+pid, func(f Finished) bool { return contains(f.Recving, pid) })
+	return contains(f.Failed, pid)
+}
+
+func (r *readbackRun) count(t *testing.T, metric string) string {
+	t.Helper()
+	text, _ := r.p.work.MetricsText()
+	for _, l := range strings.Split(string(text), "\n") {
+		if strings.HasPrefix(l, metric+"{") {
+			return l[strings.LastIndex(l, " ")+1:]
+		}
+	}
+	return "0"
+}
+
+// A read-back is checked against the digests the decode's side channel
+// serves: clean blocks pass (every block read counted checked), a byte of
+// a held block changed after the decode digested it fails the load, naming
+// the block; a prefix hit on the prefill checks the blocks read only.
+func TestReadbackKVDigestChecked(t *testing.T) {
+	r := newReadbackRun(t, KVDigestFail, true)
+	const tokens = 3*tBlockSize - 1 // the decode's last block partly written
+	out := r.hold(t, "d-1", []int64{7, 8, 9}, tokens)
+	if !strings.Contains(string(out), `"gonixl_kv_digest_served":true`) {
+		t.Fatalf("params %s lack gonixl_kv_digest_served", out)
+	}
+	r.digest(t, "d-1", []int64{7, 8, 9}, tokens)
+	r.d.kv.slot(0, 0, 9, 0, tokens%tBlockSize)[0] ^= 0xff // past the written tokens: not covered
+	if r.readBack(t, "p-1", out, tokens+5, []int64{3, 4, 5}, 0) {
+		t.Fatalf("clean read-back failed: %v", r.logs.All())
+	}
+	if got := r.count(t, "gonixl_kv_digest_checked_blocks_total"); got != "3" {
+		t.Fatalf("checked blocks %s, want 3", got)
+	}
+	if got := r.count(t, "gonixl_kv_digest_unchecked_total"); got != "0" {
+		t.Fatalf("unchecked %s, want 0: %v", got, r.logs.All())
+	}
+
+	out = r.hold(t, "d-2", []int64{10, 11, 12}, tokens)
+	r.digest(t, "d-2", []int64{10, 11, 12}, tokens)
+	r.d.kv.slot(1, 0, 11, 1, 2)[3] ^= 1 // reused under the hold, say
+	if !r.readBack(t, "p-2", out, tokens+5, []int64{13, 14, 15}, 0) {
+		t.Fatal("a changed byte of a held block was not caught")
+	}
+	lines := r.logs.FilterMessageSnippet("kv_digest_mismatch").All()
+	if len(lines) != 1 || !strings.Contains(lines[0].Message, "group 0 block 1 (local id 14, remote id 11") {
+		t.Fatalf("mismatch lines %v", lines)
+	}
+
+	// A prefix hit: blocks 0 and 1 cached on the prefill, block 2 read.
+	out = r.hold(t, "d-3", []int64{0, 1, 2}, tokens)
+	r.digest(t, "d-3", []int64{0, 1, 2}, tokens)
+	r.d.kv.block(0, 0, 0)[0] ^= 1 // not read
+	if r.readBack(t, "p-3", out, tokens+5, []int64{6}, 2) {
+		t.Fatalf("a change outside the blocks read failed the load: %v", r.logs.All())
+	}
+	if got := r.count(t, "gonixl_kv_digest_checked_blocks_total"); got != "7" {
+		t.Fatalf("checked blocks %s, want 7 (3 + 3 + 1)", got)
+	}
+}
+
+// The digests may come after the READ: the reader waits for them
+// ("pending"), bounded; a hold its workers did not digest ("none") and a
+// decode that serves none are read unchecked and served.
+func TestReadbackKVDigestPendingAndNone(t *testing.T) {
+	r := newReadbackRun(t, KVDigestFail, true)
+	const tokens = 2 * tBlockSize
+	out := r.hold(t, "d-1", []int64{7, 8}, tokens)
+	pp := mustParams(t, string(out))
+	n, _ := r.p.sched.GetNumNewMatchedTokens(pp, tokens, 0)
+	if _, err := r.p.sched.UpdateStateAfterAlloc("p-1", pp, BlockIDs{{3, 4}}, []int64{0}, n); err != nil {
+		t.Fatal(err)
+	}
+	r.p.step(t)
+	for i := 0; i < 50; i++ { // the READ completes; the check waits
+		if f := r.p.finished(t); contains(f.Recving, "p-1") {
+			t.Fatalf("finished before the decode's digests came: %+v", f)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	r.digest(t, "d-1", []int64{7, 8}, tokens)
+	if f := r.p.waitFinished(t, "p-1", func(f Finished) bool { return contains(f.Recving, "p-1") }); contains(f.Failed, "p-1") {
+		t.Fatalf("read-back with late digests failed: %v", r.logs.All())
+	}
+	if got := r.count(t, "gonixl_kv_digest_checked_blocks_total"); got != "2" {
+		t.Fatalf("checked blocks %s, want 2", got)
+	}
+
+	out = r.hold(t, "d-2", []int64{9, 10}, tokens)
+	if err := r.d.sched.SetKVDigests([]byte(`{"d-2": null}`)); err != nil {
+		t.Fatal(err)
+	}
+	if r.readBack(t, "p-2", out, tokens, []int64{11, 12}, 0) {
+		t.Fatal("a read-back without digests failed")
+	}
+	if got := r.count(t, "gonixl_kv_digest_unchecked_total"); got != "1" {
+		t.Fatalf("unchecked %s, want 1", got)
+	}
+
+	s := newReadbackRun(t, KVDigestFail, false)
+	out = s.hold(t, "d-3", []int64{7, 8}, tokens)
+	if strings.Contains(string(out), kvwire.KeyKVDigestServed) {
+		t.Fatalf("a decode that serves no digests says it does: %s", out)
+	}
+	if s.readBack(t, "p-3", out, tokens, []int64{3, 4}, 0) {
+		t.Fatal("a read-back from a decode without digests failed")
+	}
+	if n := s.logs.FilterMessageSnippet("serves no KV digests").Len(); n != 1 {
+		t.Fatalf("%d 'serves no KV digests' lines, want 1", n)
+	}
+}
