@@ -316,14 +316,27 @@ def digest_section(labels: list[str], cases: dict, keys: list[tuple[int, int]]) 
             if a is None or b is None or not a.ttft or not b.ttft:
                 continue
 
-            def per(cs, inst):
-                return sum(sum(cs.step.get((inst, r), [])) for r in ("scheduler", "worker")) / len(cs.ttft)
+            def per(cs, inst, cap=float("inf")):
+                return sum(sum(x for x in cs.step.get((inst, r), []) if x <= cap) for r in ("scheduler", "worker")) / len(cs.ttft)
+
+            def stalls(cs):
+                return sum(x > STALL_S for inst in ("prefill", "decode") for r in ("scheduler", "worker") for x in cs.step.get((inst, r), []))
 
             rows.append([str(n), str(c), on, f"{ms(pct(a.ttft, 0.5))} / {ms(pct(b.ttft, 0.5))} = {_ratio(pct(a.ttft, 0.5), pct(b.ttft, 0.5))}",
                          f"{ms(pct(a.ttft, 0.99))} / {ms(pct(b.ttft, 0.99))} = {_ratio(pct(a.ttft, 0.99), pct(b.ttft, 0.99))}",
-                         f"{us(per(a, 'prefill'))} / {us(per(b, 'prefill'))}", f"{us(per(a, 'decode'))} / {us(per(b, 'decode'))}"])
-    out.append(table(rows, ["prompt", "conc", "deployment", "TTFT p50 on / off (ms)", "TTFT p99 on / off", "prefill µs / request on / off", "decode µs / request on / off"]))
+                         f"{us(per(a, 'prefill'))} / {us(per(b, 'prefill'))}", f"{us(per(a, 'decode'))} / {us(per(b, 'decode'))}",
+                         f"{us(per(a, 'prefill', STALL_S))} / {us(per(b, 'prefill', STALL_S))}",
+                         f"{us(per(a, 'decode', STALL_S))} / {us(per(b, 'decode', STALL_S))}", f"{stalls(a)} / {stalls(b)}"])
+    out.append(table(rows, ["prompt", "conc", "deployment", "TTFT p50 on / off (ms)", "TTFT p99 on / off", "prefill µs / request on / off",
+                            "decode µs / request on / off", "prefill µs, steps ≤ 100 ms", "decode µs, steps ≤ 100 ms",
+                            "steps > 100 ms on / off"]))
+    out += ["", "(A connector step over 100 ms is a stall of the whole process on this shared VM far more often than "
+            "connector work: the last three columns leave them out and count them.)"]
     return out
+
+
+# A connector step longer than this is counted as a stall in digest_section.
+STALL_S = 0.1
 
 
 def _mean(xs: list[float]) -> float:

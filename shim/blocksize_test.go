@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/gonixl/gonixl/nixl"
@@ -92,7 +93,12 @@ func (s *bsSide) block(l int, b int64) []byte {
 // what get_finished reported for the request.
 func bsRead(t *testing.T, p, d *bsSide, req string, tokens int64, pBlocks, dBlocks []int64, cached int64) Finished {
 	t.Helper()
-	out := prefill(t, p.side, req+"-p", pBlocks, tokens)
+	return bsReadParams(t, d, req, prefill(t, p.side, req+"-p", pBlocks, tokens), tokens, dBlocks, cached)
+}
+
+// bsReadParams is bsRead of params out.
+func bsReadParams(t *testing.T, d *bsSide, req string, out []byte, tokens int64, dBlocks []int64, cached int64) Finished {
+	t.Helper()
 	dp := mustParams(t, string(out))
 	d.sched.OnNewRequest(req, dp)
 	d.sched.GetNumNewMatchedTokens(dp, tokens, cached*d.blockSize)
@@ -168,10 +174,15 @@ func TestSmallerPrefillBlocksRefusals(t *testing.T) {
 	eng := nixltest.NewEngine("t")
 	eng.SetScript(nixltest.Script{Polls: 1})
 	// A remote list that does not cover this prompt's blocks: 11 tokens
-	// take two decode blocks of 8, but four prefill blocks of 4 take three.
+	// take two decode blocks of 8, but four prefill blocks of 4 take three
+	// (a gonixl prefill trims its list to its tokens: forged params).
 	p := newBSSide(t, eng, "kv_producer", "engine-p", 4, 1, "head_major")
 	d := newBSSide(t, eng, "kv_consumer", "engine-d", 8, 100, "head_major")
-	f := bsRead(t, p, d, "req", 11, []int64{3, 9, 5, 6}, []int64{6, 1}, 0)
+	out := prefill(t, p.side, "req-p", []int64{3, 9, 5}, 11)
+	if !strings.Contains(string(out), `"remote_block_ids":[[3,9,5]]`) {
+		t.Fatalf("params %s", out)
+	}
+	f := bsReadParams(t, d, "req", []byte(strings.Replace(string(out), `[[3,9,5]]`, `[[3,9,5,6]]`, 1)), 11, []int64{6, 1}, 0)
 	if !contains(f.Failed, "req") || len(f.Reshape) != 0 {
 		t.Fatalf("a remote list of another prompt: %+v", f)
 	}

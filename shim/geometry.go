@@ -51,6 +51,39 @@ func clipToWindow(ids BlockIDs, groups []TransferGroup, hma bool) BlockIDs {
 	return out
 }
 
+// trimToTokens cuts each group's block list to the blocks that hold
+// tokens [0, n). With async scheduling a step still in flight when a
+// request finished has a block allocated for its token n when n is a
+// multiple of the block size: a list that ran past the tokens it advertises
+// would put a sliding-window group's window (clipToWindow keeps the tail)
+// one block late, and a reader pairing tails would read every block from
+// the next position.
+func trimToTokens(ids BlockIDs, groups []TransferGroup, blockSize, n int64) BlockIDs {
+	if n <= 0 {
+		return ids
+	}
+	var out BlockIDs
+	for i, g := range ids {
+		bs := blockSize
+		if i < len(groups) && groups[i].BlockSize > 0 {
+			bs = groups[i].BlockSize
+		}
+		if bs <= 0 {
+			continue
+		}
+		if need := (n + bs - 1) / bs; int64(len(g)) > need {
+			if out == nil {
+				out = append(BlockIDs(nil), ids...)
+			}
+			out[i] = g[:need]
+		}
+	}
+	if out == nil {
+		return ids
+	}
+	return out
+}
+
 // kvGeometry is what gonixl adds to the agent metadata (gonixl_geometry) so
 // that two gonixl peers refuse a mismatch that vLLM's own fields cannot
 // show: same byte sizes with another dtype, another head split, another

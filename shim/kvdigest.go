@@ -20,6 +20,7 @@ package shim
 // hashes over the blocks, which names the layer of a mismatch.
 
 import (
+	"context"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -322,9 +323,10 @@ type digestCheck struct {
 	// (kvdigest_readback.go): fetch delivers them, and fill (with skip,
 	// where each group's read starts in the decode's list) sets the fields
 	// above in the check's goroutine.
-	fetch <-chan fetchedDigest
-	skip  []int
-	adv   BlockIDs
+	fetch     <-chan fetchedDigest
+	stopFetch context.CancelFunc
+	skip      []int
+	adv       BlockIDs
 }
 
 // digestCheckLocked prepares the check of st's READ of local from remote
@@ -340,6 +342,11 @@ func (w *Worker) digestCheckLocked(st *recvState, re *remoteEngine, local, remot
 	switch {
 	case st.meta.Readback && !st.meta.Remote.DigestServed:
 		why = "the decode serves no KV digests of the blocks it holds (a stock engine, or gonixl with kv_digest off)"
+	case st.meta.Readback && !re.gonixl:
+		// Params that claim digests from an engine whose handshake says
+		// it is stock: vLLM's listener would take the query for a
+		// malformed handshake and stop serving.
+		why = "its params say digests are served, but the engine is not gonixl"
 	case !st.meta.Readback && d == nil:
 		why = "the prefill sent no KV digests (a stock engine, or gonixl with kv_digest off)"
 	case re.blockRatio > 1:
@@ -355,7 +362,7 @@ func (w *Worker) digestCheckLocked(st *recvState, re *remoteEngine, local, remot
 	}
 	c := &digestCheck{rank: re.plan.sources[0], local: local, remote: remote, adv: st.meta.Remote.BlockIDs, skip: w.readSkips(st.meta, local)}
 	if st.meta.Readback {
-		c.fetch = w.fetchDigestLocked(st)
+		c.fetch, c.stopFetch = w.fetchDigestLocked(st)
 		return c
 	}
 	if why := c.fill(d, w.blockSize); why != "" {
@@ -493,6 +500,9 @@ func (w *Worker) checkDoneLocked(st *recvState) bool {
 		return false
 	}
 	ok := w.takeCheckLocked(st, r)
+	if st.check.stopFetch != nil {
+		st.check.stopFetch()
+	}
 	st.check, st.checking = nil, nil // judged: once
 	if !ok {
 		st.failed = true
@@ -668,10 +678,15 @@ func (w *Worker) waitChecksForClose() {
 }
 
 // readUncheckedLocked counts a transfer read without a digest check and
-// says why, once per remote engine and reason.
+// says why, once per remote engine and reason (the reason's text up to its
+// first colon: details such as an address or a request id do not make it
+// another reason).
 func (w *Worker) readUncheckedLocked(st *recvState, engineID, why string) {
 	w.prom.digestUnchecked.Inc()
-	if w.noteOnce("unchecked:" + engineID + why) {
-		w.log.Warn("reading KV unchecked: "+why+" (logged once per engine)", zap.String("remote_engine_id", engineID), zap.String("request_id", st.id))
+	class, _, _ := strings.Cut(why, ":")
+	if w.noteOnce("unchecked:" + engineID + class) {
+		w.log.Warn("reading KV unchecked: "+why+" (logged once per engine and reason)", zap.String("remote_engine_id", engineID), zap.String("request_id", st.id))
+		return
 	}
+	w.log.Debug("reading KV unchecked: "+why, zap.String("remote_engine_id", engineID), zap.String("request_id", st.id))
 }

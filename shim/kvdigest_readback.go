@@ -41,8 +41,11 @@ const (
 // the hold fetches after it; a reader's READ never starts this late).
 const servedGrace = 60.0
 
-// maxServedDigests bounds the store; the oldest entries go first.
-const maxServedDigests = 1 << 16
+// The store's bounds; the oldest entries go first.
+const (
+	maxServedDigests     = 1 << 16
+	maxServedDigestBytes = 256 << 20
+)
 
 // servedDigest is one held request's digests.
 type servedDigest struct {
@@ -51,11 +54,19 @@ type servedDigest struct {
 	until  float64
 }
 
-// servedDigests is the store. order is insertion order; every entry has
-// the same lifetime, so they expire in that order.
+// servedDigests is the store. order is insertion order, an entry of it
+// standing for m[id] only while their until agree (a request id served
+// again gets a new place); every entry has the same lifetime, so they
+// expire in that order.
 type servedDigests struct {
 	m     map[string]*servedDigest
-	order []string
+	order []servedAt
+	bytes int
+}
+
+type servedAt struct {
+	id    string
+	until float64
 }
 
 // serveDigestLocked starts serving reqID's digests ("pending" until its
@@ -66,28 +77,39 @@ func (s *Scheduler) serveDigestLocked(reqID string, ttl float64) {
 	if s.served.m == nil {
 		s.served.m = map[string]*servedDigest{}
 	}
-	if _, ok := s.served.m[reqID]; !ok {
-		s.served.order = append(s.served.order, reqID)
+	if old, ok := s.served.m[reqID]; ok {
+		s.served.bytes -= len(old.digest)
 	}
-	s.served.m[reqID] = &servedDigest{state: digestPending, until: now + ttl + servedGrace}
-	for len(s.served.m) > maxServedDigests {
-		s.dropOldestServedLocked()
-	}
+	e := &servedDigest{state: digestPending, until: now + ttl + servedGrace}
+	s.served.m[reqID] = e
+	s.served.order = append(s.served.order, servedAt{reqID, e.until})
+	s.trimServedLocked()
 }
 
 // expireServedLocked drops the entries whose time is over.
 func (s *Scheduler) expireServedLocked(now float64) {
 	for len(s.served.order) > 0 {
-		e, ok := s.served.m[s.served.order[0]]
-		if ok && e.until > now {
+		at := s.served.order[0]
+		if e, ok := s.served.m[at.id]; ok && e.until == at.until && e.until > now {
 			return
 		}
 		s.dropOldestServedLocked()
 	}
 }
 
+// trimServedLocked drops the oldest entries past the store's bounds.
+func (s *Scheduler) trimServedLocked() {
+	for len(s.served.order) > 0 && (len(s.served.m) > maxServedDigests || s.served.bytes > maxServedDigestBytes || len(s.served.order) > 2*maxServedDigests) {
+		s.dropOldestServedLocked()
+	}
+}
+
 func (s *Scheduler) dropOldestServedLocked() {
-	delete(s.served.m, s.served.order[0])
+	at := s.served.order[0]
+	if e, ok := s.served.m[at.id]; ok && e.until == at.until {
+		s.served.bytes -= len(e.digest)
+		delete(s.served.m, at.id)
+	}
 	s.served.order = s.served.order[1:]
 	if len(s.served.order) == 0 {
 		s.served.order = nil // let the backing array go
@@ -111,12 +133,15 @@ func (s *Scheduler) SetKVDigests(in []byte) (err error) {
 		if !ok {
 			continue // its hold ended, or it was never held
 		}
+		s.served.bytes -= len(e.digest)
 		if len(d) == 0 || string(d) == "null" {
 			e.state, e.digest = digestNone, nil
 			continue
 		}
 		e.state, e.digest = digestOK, append([]byte(nil), d...)
+		s.served.bytes += len(e.digest)
 	}
+	s.trimServedLocked()
 	return nil
 }
 
@@ -153,11 +178,13 @@ type fetchedDigest struct {
 // (runCheck) takes them once the READ is done. An answer of "none", a
 // timeout or an unreachable decode leaves the blocks unchecked (said once):
 // the READ's own checks (lease, instance) stand.
-func (w *Worker) fetchDigestLocked(st *recvState) <-chan fetchedDigest {
+func (w *Worker) fetchDigestLocked(st *recvState) (<-chan fetchedDigest, context.CancelFunc) {
 	ch := make(chan fetchedDigest, 1)
 	rm := st.meta.Remote
-	hs, parent := w.hs, w.fetches
-	timeout := time.Duration(w.cfg.HandshakeTimeout * float64(time.Second))
+	hs := w.hs
+	// Ended by Close, by the request's end (a failed READ stops asking)
+	// and by handshake_timeout.
+	ctx, cancel := context.WithTimeout(w.fetches, time.Duration(w.cfg.HandshakeTimeout*float64(time.Second)))
 	send := func(f fetchedDigest) {
 		select { // the first answer stands
 		case ch <- f:
@@ -171,8 +198,6 @@ func (w *Worker) fetchDigestLocked(st *recvState) <-chan fetchedDigest {
 			send(fetchedDigest{why: "no side-channel client"})
 			return
 		}
-		ctx, cancel := context.WithTimeout(parent, timeout)
-		defer cancel()
 		b, err := hs.KVDigest(ctx, rm.Host, rm.Port, rm.RequestID)
 		switch {
 		case err != nil:
@@ -187,10 +212,10 @@ func (w *Worker) fetchDigestLocked(st *recvState) <-chan fetchedDigest {
 		case err != nil:
 			send(fetchedDigest{why: "the decode's KV digests are malformed: " + err.Error()})
 		case d.Tokens != rm.NumTokens:
-			send(fetchedDigest{why: fmt.Sprintf("the decode's KV digests cover %d tokens, its params %d", d.Tokens, rm.NumTokens)})
+			send(fetchedDigest{why: fmt.Sprintf("the decode's KV digests cover another token count: %d, its params %d", d.Tokens, rm.NumTokens)})
 		default:
 			send(fetchedDigest{d: d})
 		}
 	})
-	return ch
+	return ch, cancel
 }

@@ -2,6 +2,7 @@ package shim
 
 import (
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -215,5 +216,30 @@ func TestReadbackKVDigestPendingAndNone(t *testing.T) {
 	}
 	if n := s.logs.FilterMessageSnippet("serves no KV digests").Len(); n != 1 {
 		t.Fatalf("%d 'serves no KV digests' lines, want 1", n)
+	}
+}
+
+// A decode that finished with a step in flight (async scheduling) has a
+// block allocated past the tokens it advertises when their count is a
+// multiple of the block size: its params name only the blocks of those
+// tokens, so that a sliding-window group's window (the list's tail) is not
+// one block late.
+func TestFinishedParamsNameOnlyTheAdvertisedTokensBlocks(t *testing.T) {
+	cfg := testConfig(t, RoleScheduler, "kv_consumer", "engine-d", freePort(t), map[string]any{"bidirectional_kv_xfer": true})
+	cfg.TransferGroups = []TransferGroup{{Kind: "full_attention", BlockSize: tBlockSize}, {Kind: "sliding_window", SlidingWindow: 2 * tBlockSize, BlockSize: tBlockSize}}
+	cfg.HMARequired = true
+	s, err := NewScheduler(cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	in := mustParams(t, `{"do_remote_prefill": false, "do_remote_decode": false}`)
+	_, out, err := s.RequestFinished("d-1", in, true, 4*tBlockSize, BlockIDs{{1, 2, 3, 4, 9}, {0, 0, 7, 8, 10}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := mustParams(t, string(out))
+	if fmt.Sprint(p.RemoteBlockIDs) != "[[1 2 3 4] [0 7 8]]" {
+		t.Fatalf("remote_block_ids %v, want [[1 2 3 4] [0 7 8]] (the in-flight step's blocks 9 and 10 left out)", p.RemoteBlockIDs)
 	}
 }

@@ -670,6 +670,9 @@ func (w *Worker) pollTransfersLocked() {
 			}
 		}
 		delete(w.recv, id)
+		if st.check != nil && st.check.stopFetch != nil {
+			st.check.stopFetch() // a failed READ's fetch stops asking
+		}
 		w.floors.Drop(st.meta.Remote.RequestID)
 		if st.remote != nil {
 			// The READ's notification lets the remote free the blocks:

@@ -503,6 +503,9 @@ func (s *Scheduler) RequestFinished(reqID string, p *TransferParams, finishedNor
 	if blockIDs == nil {
 		blockIDs = BlockIDs{}
 	}
+	if delay {
+		blockIDs = trimToTokens(blockIDs, s.cfg.TransferGroups, int64(s.cfg.BlockSize), remoteNumTokens)
+	}
 	blockIDs = clipToWindow(blockIDs, s.cfg.TransferGroups, s.cfg.HMARequired)
 	out := kvwire.OutParams{
 		DoRemotePrefill: isP,

@@ -1088,7 +1088,10 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         """Adds gonixl_kv_digest to a finished request's params: each rank's
         digests of the blocks the params name, in their order
         (shim/kvwire/kvdigest.go)."""
-        tokens, blocks = self._digest_sent.pop(rid)
+        sent = self._digest_sent.pop(rid, None)
+        if sent is None:  # a request id seen twice (vLLM's randomisation off)
+            return
+        tokens, blocks = sent
         tp = int(params.get("tp_size") or 1)
         adv = params.get("remote_block_ids") or []
         why = ""
