@@ -29,7 +29,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"go.uber.org/zap"
 
@@ -492,22 +491,7 @@ func (w *Worker) checkDoneLocked(st *recvState) bool {
 				w.publishLocked(true)
 			}
 		})
-		// Most checks take well under a millisecond: waiting that long
-		// here reports the request in this poll instead of one engine step
-		// later (its time to first token); a longer one (a read-back's
-		// digests still on their way, a large prompt) is taken by a later
-		// poll.
-		if w.checkInlineWait <= 0 {
-			return false
-		}
-		t := time.NewTimer(w.checkInlineWait)
-		defer t.Stop()
-		select {
-		case r := <-ch:
-			return w.judgeCheckLocked(st, r)
-		case <-t.C:
-			return false
-		}
+		return false
 	}
 	var r digestResult
 	select {
@@ -515,17 +499,6 @@ func (w *Worker) checkDoneLocked(st *recvState) bool {
 	default:
 		return false
 	}
-	return w.judgeCheckLocked(st, r)
-}
-
-// checkInlineWait is how long a poll that starts a check waits for its
-// result (Worker.checkInlineWait; the model test sets 0 so that its runs
-// replay from their seed).
-const checkInlineWait = 2 * time.Millisecond
-
-// judgeCheckLocked takes st's check result r: true once judged (st.failed
-// set under fail on a mismatch).
-func (w *Worker) judgeCheckLocked(st *recvState, r digestResult) bool {
 	ok := w.takeCheckLocked(st, r)
 	if st.check.stopFetch != nil {
 		st.check.stopFetch()

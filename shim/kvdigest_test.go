@@ -395,34 +395,3 @@ func TestKVDigestCheckPanicFailsTheLoad(t *testing.T) {
 		t.Fatal("Close waits for a check that panicked")
 	}
 }
-
-// The poll that starts a check waits briefly for it (checkInlineWait): a
-// quick check reports the request in that poll, not one engine step later;
-// with no wait the next poll takes the result.
-func TestKVDigestQuickCheckReportsInTheSamePoll(t *testing.T) {
-	const tokens = 3 * tBlockSize
-	polls := map[time.Duration]int{}
-	for _, wait := range []time.Duration{checkInlineWait, 0} {
-		r := newDigestRun(t, KVDigestFail)
-		r.d.work.mu.Lock()
-		r.d.work.checkInlineWait = wait
-		r.d.work.mu.Unlock()
-		out := withDigests(t, r.p, "req-1", []int64{3, 4, 5}, tokens, prefill(t, r.p, "req-1", []int64{3, 4, 5}, tokens))
-		dp := mustParams(t, string(out))
-		r.d.sched.OnNewRequest("dreq-1", dp)
-		if _, err := r.d.sched.UpdateStateAfterAlloc("dreq-1", dp, BlockIDs{{7, 8, 9}}, []int64{0}, tokens); err != nil {
-			t.Fatal(err)
-		}
-		r.d.step(t)
-		for polls[wait] < 20 {
-			polls[wait]++
-			if f := r.d.finished(t); contains(f.Recving, "dreq-1") {
-				break
-			}
-			time.Sleep(20 * time.Millisecond) // a started check is done by the next poll
-		}
-	}
-	if polls[checkInlineWait] != polls[0]-1 {
-		t.Fatalf("reported at poll %d with the inline wait, %d without: want one poll sooner", polls[checkInlineWait], polls[0])
-	}
-}

@@ -560,9 +560,6 @@ func (r *mRun) newEngine(name, kvRole, id string, blocks int, async, recompute b
 		tb.Fatal(err)
 	}
 	s.log, w.log = zap.NewNop(), zap.NewNop()
-	// A check's result is taken by the next poll, whatever its speed: runs
-	// replay from their seed.
-	w.checkInlineWait = 0
 	s.wall = func() float64 { return 1.7e9 + r.clock.Now() } // gonixl_expiry_unix on the injected clock
 	e.sched, e.work = s, w
 	e.mem = newModelMem(tb, blocks)

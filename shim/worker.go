@@ -78,20 +78,17 @@ type Worker struct {
 	checks       sync.WaitGroup          // KV digest checks hashing off the lock (kvdigest.go)
 	// fetches: a read-back's digest fetches (kvdigest_readback.go), ended
 	// by Close before it waits for the checks that wait for them.
-	fetches     context.Context
-	stopFetches context.CancelFunc
-	// checkInlineWait: how long the poll that starts a digest check waits
-	// for it (kvdigest.go).
-	checkInlineWait time.Duration
-	kernelLayout    string // WorkerInit.KernelLayout
-	payload         []byte
-	compatHash      string
-	hs              *sidechannel.Client
-	blockSize       int64
-	kvLayout        string
-	attnBackend     string
-	engineOverride  nixl.Engine // tests: bypass Select
-	loggedLanes     bool
+	fetches        context.Context
+	stopFetches    context.CancelFunc
+	kernelLayout   string // WorkerInit.KernelLayout
+	payload        []byte
+	compatHash     string
+	hs             *sidechannel.Client
+	blockSize      int64
+	kvLayout       string
+	attnBackend    string
+	engineOverride nixl.Engine // tests: bypass Select
+	loggedLanes    bool
 
 	remotes    map[string]*remoteEngine
 	handshakes map[string]*handshakeState
@@ -192,7 +189,6 @@ func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
 	}
 	w.kvFaults = kvFaultsFromEnv(w.log)
 	w.fetches, w.stopFetches = context.WithCancel(context.Background())
-	w.checkInlineWait = checkInlineWait
 	prom.registerLive(cfg.EngineID, w.Live)
 	serveMetrics(cfg, prom.reg, true, w.log)
 	return w, nil
