@@ -243,3 +243,33 @@ func TestFinishedParamsNameOnlyTheAdvertisedTokensBlocks(t *testing.T) {
 		t.Fatalf("remote_block_ids %v, want [[1 2 3 4] [0 7 8]] (the in-flight step's blocks 9 and 10 left out)", p.RemoteBlockIDs)
 	}
 }
+
+// Params that claim served digests from an engine whose handshake shows a
+// stock engine are read unchecked and the engine is never sent the query
+// (vLLM's listener would take it for a malformed handshake and stop).
+func TestReadbackDigestQueryOnlyToGonixlEngines(t *testing.T) {
+	r := newReadbackRun(t, KVDigestFail, true)
+	const tokens = 2 * tBlockSize
+	out := r.hold(t, "d-1", []int64{7, 8}, tokens)
+	r.digest(t, "d-1", []int64{7, 8}, tokens)
+	if r.readBack(t, "p-1", out, tokens, []int64{3, 4}, 0) {
+		t.Fatal("clean read-back failed")
+	}
+	served, _ := r.d.sched.listener.Counts()
+	r.p.work.mu.Lock()
+	for _, re := range r.p.work.remotes {
+		re.gonixl = false // as a stock engine's handshake leaves it
+	}
+	r.p.work.mu.Unlock()
+	out = r.hold(t, "d-2", []int64{9, 10}, tokens)
+	r.digest(t, "d-2", []int64{9, 10}, tokens)
+	if r.readBack(t, "p-2", out, tokens, []int64{11, 12}, 0) {
+		t.Fatal("the read-back failed")
+	}
+	if after, _ := r.d.sched.listener.Counts(); after != served {
+		t.Fatalf("the engine was queried: served %d -> %d", served, after)
+	}
+	if n := r.logs.FilterMessageSnippet("the engine is not gonixl").Len(); n != 1 {
+		t.Fatalf("%d 'not gonixl' lines, want 1", n)
+	}
+}
