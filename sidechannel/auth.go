@@ -29,7 +29,6 @@ const (
 	authMarker = "+gonixl-hmac-sha256-v1:"
 	nonceLen   = 16
 	macLen     = sha256.Size
-	authTagLen = len(GetMetaMsg) + len(authMarker) + nonceLen + macLen
 )
 
 // Listener error replies travel as a NixlHandshakePayload whose
@@ -75,23 +74,31 @@ func replyMAC(secret, reqMAC, payload, clock []byte) []byte {
 // authTag builds the authenticated request tag; it returns the tag and the
 // request MAC the reply must be bound to.
 func authTag(secret []byte, rank Rank) (tag, mac []byte, err error) {
+	return sealTag(GetMetaMsg, func(nonce []byte) []byte { return requestMAC(secret, nonce, rank) })
+}
+
+// splitAuthTag returns nonce and MAC when tag is an authenticated tag.
+func splitAuthTag(tag []byte) (nonce, mac []byte, ok bool) { return openTag(GetMetaMsg, tag) }
+
+// sealTag is msg + authMarker + a fresh nonce + mac(nonce), and the MAC.
+func sealTag(msg string, mac func(nonce []byte) []byte) (tag, m []byte, err error) {
 	nonce := make([]byte, nonceLen)
 	if _, err := rand.Read(nonce); err != nil {
 		return nil, nil, err
 	}
-	mac = requestMAC(secret, nonce, rank)
-	tag = make([]byte, 0, authTagLen)
-	tag = append(tag, GetMetaMsg...)
+	m = mac(nonce)
+	tag = make([]byte, 0, len(msg)+len(authMarker)+nonceLen+macLen)
+	tag = append(tag, msg...)
 	tag = append(tag, authMarker...)
 	tag = append(tag, nonce...)
-	tag = append(tag, mac...)
-	return tag, mac, nil
+	tag = append(tag, m...)
+	return tag, m, nil
 }
 
-// splitAuthTag returns nonce and MAC when tag is an authenticated tag.
-func splitAuthTag(tag []byte) (nonce, mac []byte, ok bool) {
-	prefix := GetMetaMsg + authMarker
-	if len(tag) != authTagLen || !bytes.HasPrefix(tag, []byte(prefix)) {
+// openTag returns nonce and MAC when tag is msg's authenticated form.
+func openTag(msg string, tag []byte) (nonce, mac []byte, ok bool) {
+	prefix := msg + authMarker
+	if len(tag) != len(prefix)+nonceLen+macLen || !bytes.HasPrefix(tag, []byte(prefix)) {
 		return nil, nil, false
 	}
 	rest := tag[len(prefix):]
@@ -140,8 +147,6 @@ func parseErrorPayload(p *HandshakePayload) *RemoteError {
 //     "gonixl-side-channel kv digest reply v1\x00" || request MAC ||
 //     be64(len(body)) || body).
 
-const kvAuthTagLen = len(KVDigestMsg) + len(authMarker) + nonceLen + macLen
-
 // Listener-side code for a failing KV digest provider.
 const codeProviderFailed = "provider-failed"
 
@@ -170,29 +175,12 @@ func kvDigestReplyMAC(secret, reqMAC, body []byte) []byte {
 // kvDigestAuthTag builds the authenticated KV digest tag and returns it with
 // the request MAC the reply must be bound to.
 func kvDigestAuthTag(secret []byte, requestID string) (tag, mac []byte, err error) {
-	nonce := make([]byte, nonceLen)
-	if _, err := rand.Read(nonce); err != nil {
-		return nil, nil, err
-	}
-	mac = kvDigestRequestMAC(secret, nonce, requestID)
-	tag = make([]byte, 0, kvAuthTagLen)
-	tag = append(tag, KVDigestMsg...)
-	tag = append(tag, authMarker...)
-	tag = append(tag, nonce...)
-	tag = append(tag, mac...)
-	return tag, mac, nil
+	return sealTag(KVDigestMsg, func(nonce []byte) []byte { return kvDigestRequestMAC(secret, nonce, requestID) })
 }
 
 // splitKVDigestAuthTag returns nonce and MAC when tag is an authenticated KV
 // digest tag.
-func splitKVDigestAuthTag(tag []byte) (nonce, mac []byte, ok bool) {
-	prefix := KVDigestMsg + authMarker
-	if len(tag) != kvAuthTagLen || !bytes.HasPrefix(tag, []byte(prefix)) {
-		return nil, nil, false
-	}
-	rest := tag[len(prefix):]
-	return rest[:nonceLen], rest[nonceLen:], true
-}
+func splitKVDigestAuthTag(tag []byte) (nonce, mac []byte, ok bool) { return openTag(KVDigestMsg, tag) }
 
 // kvDigestErrorReply is an error reply body; Message is "<code>: <text>" so
 // a client can tell authentication failures (RemoteError codes) apart.

@@ -298,16 +298,21 @@ func (c *Client) connect(ctx context.Context, addr string) (*zconn, error) {
 	}
 }
 
-// query sends one request and decodes the reply; retry reports a
-// "not-ready" reply.
-func (c *Client) query(ctx context.Context, z *zconn, rank Rank, res *Result) (*AgentMetadata, bool, error) {
+// armQuery bounds one query on z by RecvTimeout and ctx; the caller
+// calls the returned func when the query is done.
+func (c *Client) armQuery(ctx context.Context, z *zconn) (stop func() bool) {
 	dl := time.Now().Add(c.cfg.RecvTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
 		dl = d
 	}
 	z.c.SetDeadline(dl)
-	stop := context.AfterFunc(ctx, func() { z.c.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
+	return context.AfterFunc(ctx, func() { z.c.SetDeadline(time.Unix(1, 0)) })
+}
+
+// query sends one request and decodes the reply; retry reports a
+// "not-ready" reply.
+func (c *Client) query(ctx context.Context, z *zconn, rank Rank, res *Result) (*AgentMetadata, bool, error) {
+	defer c.armQuery(ctx, z)()
 
 	tag, reqMAC := []byte(GetMetaMsg), []byte(nil)
 	if c.cfg.Secret != nil {
@@ -464,13 +469,7 @@ func (c *Client) KVDigest(ctx context.Context, host string, port int, requestID 
 // kvQuery sends one KV digest query on z and returns a verified reply whose
 // status is ok (Digest non-nil), pending or none.
 func (c *Client) kvQuery(ctx context.Context, z *zconn, requestID string) (*KVDigestReply, error) {
-	dl := time.Now().Add(c.cfg.RecvTimeout)
-	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
-		dl = d
-	}
-	z.c.SetDeadline(dl)
-	stop := context.AfterFunc(ctx, func() { z.c.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
+	defer c.armQuery(ctx, z)()
 
 	tag, reqMAC := []byte(KVDigestMsg), []byte(nil)
 	if c.cfg.Secret != nil {
