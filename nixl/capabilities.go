@@ -48,6 +48,21 @@ type PostCopies interface {
 	PostCopies() bool
 }
 
+// Lander is a transfer that says when its bytes are in place, before a
+// poll sees it complete: the channel Landed returns after a Post is
+// closed once every byte of that post has moved (a READ's data is in
+// local memory, a WRITE's in the peer's), and is never closed for a post
+// that fails, is cancelled or is released first. A caller waits on it to
+// start work on the data on a goroutine of its own (the shim's KV digest
+// check of a READ) instead of at the next poll. Call Landed after Post:
+// a transfer posted again gets a new channel. The ucx engine closes it
+// when its own copy (data paths cma and shm, CUDA IPC) has finished;
+// bytes UCP moves are known to have landed only by Check, which closes it
+// then.
+type Lander interface {
+	Landed() <-chan struct{}
+}
+
 // NotifDropCounter is an agent that counts received notifications it had
 // to drop (malformed or over its size limit).
 type NotifDropCounter interface {

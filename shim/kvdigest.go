@@ -500,6 +500,7 @@ func (w *Worker) checkDoneLocked(st *recvState) bool {
 		return false
 	}
 	ok := w.takeCheckLocked(st, r)
+	w.stopWatchLocked(st)
 	if st.check.stopFetch != nil {
 		st.check.stopFetch()
 	}
@@ -508,6 +509,70 @@ func (w *Worker) checkDoneLocked(st *recvState) bool {
 		st.failed = true
 	}
 	return true
+}
+
+// watchLandingLocked starts st's check as soon as the bytes of its READs
+// have landed, on a goroutine of the worker's, where the engine says when
+// that is (nixl.Lander: the ucx engine's own copies) and every READ was
+// posted in place. The poll that sees the READs complete then usually
+// finds the result there (checkDoneLocked takes it), instead of starting
+// the hashing and reporting the request a step later. Not under a test
+// fault (kvfault.go damages the blocks before their check). The watch
+// ends with the request (stopWatchLocked): failed, judged, or Close.
+func (w *Worker) watchLandingLocked(st *recvState) {
+	if st.check == nil || st.checking != nil || st.failed || !st.report || w.closed || len(st.xfers) == 0 || w.kvFaultFor(st.id) != faultNone {
+		return
+	}
+	landed := make([]<-chan struct{}, 0, len(st.xfers))
+	for _, f := range st.xfers {
+		l, ok := f.x.(nixl.Lander)
+		if !ok || f.post != nil {
+			return
+		}
+		ch := l.Landed()
+		if ch == nil {
+			return
+		}
+		landed = append(landed, ch)
+	}
+	ctx, cancel := context.WithCancel(w.fetches) // Close cancels it too
+	st.unwatch = cancel
+	ch := make(chan digestResult, 1)
+	st.checking = ch
+	c := st.check
+	w.checks.Add(1)
+	var once sync.Once
+	done := func() { once.Do(w.checks.Done) }
+	w.goSafe("kv digest check", func(err error) {
+		select { // a result already sent stands
+		case ch <- digestResult{err: err}:
+		default:
+		}
+		done()
+	}, func() {
+		defer done()
+		for _, l := range landed {
+			select {
+			case <-l:
+			case <-ctx.Done():
+				return // failed or closed: nobody takes a result
+			}
+		}
+		ch <- w.runCheck(c)
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if !w.closed {
+			w.publishLocked(true)
+		}
+	})
+}
+
+// stopWatchLocked ends st's landing watch, if any.
+func (w *Worker) stopWatchLocked(st *recvState) {
+	if st.unwatch != nil {
+		st.unwatch()
+		st.unwatch = nil
+	}
 }
 
 // takeCheckLocked judges a check's result; one whose hashing failed is

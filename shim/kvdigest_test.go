@@ -81,7 +81,10 @@ func newDigestRun(t *testing.T, mode string) *digestRun {
 }
 
 func newDigestRunClock(t *testing.T, mode string, clock Clock) *digestRun {
-	eng := nixltest.NewEngine("t")
+	return newDigestRunEngine(t, mode, clock, nixltest.NewEngine("t"))
+}
+
+func newDigestRunEngine(t *testing.T, mode string, clock Clock, eng *nixltest.Engine) *digestRun {
 	extra := map[string]any{"kv_digest": mode}
 	r := &digestRun{p: newDigestSideClock(t, eng, "kv_producer", "engine-p", 1, extra, clock), d: newDigestSideClock(t, eng, "kv_consumer", "engine-d", 200, extra, clock)}
 	core, logs := observer.New(zapcore.InfoLevel)
@@ -393,5 +396,140 @@ func TestKVDigestCheckPanicFailsTheLoad(t *testing.T) {
 	case <-closed:
 	case <-time.After(5 * time.Second):
 		t.Fatal("Close waits for a check that panicked")
+	}
+}
+
+// readInFlight loads reqID's params into local and runs the step that
+// posts the READ (which the engine's script keeps in flight); it returns
+// the READ's transfer id.
+func (r *digestRun) readInFlight(t *testing.T, eng *nixltest.Engine, reqID string, out []byte, local []int64) uint64 {
+	t.Helper()
+	dp := mustParams(t, string(out))
+	r.d.sched.OnNewRequest(reqID, dp)
+	if _, err := r.d.sched.UpdateStateAfterAlloc(reqID, dp, BlockIDs{local}, []int64{0}, int64(len(local))*tBlockSize); err != nil {
+		t.Fatal(err)
+	}
+	r.d.step(t)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var ids []uint64
+		for _, x := range eng.Transfers() {
+			if x.Op == nixl.Read && x.Posted && x.Status == nixl.InProgress {
+				ids = append(ids, x.ID)
+			}
+		}
+		if len(ids) == 1 {
+			return ids[0]
+		}
+		if len(ids) > 1 || time.Now().After(deadline) {
+			t.Fatalf("%d READs in flight, want 1", len(ids))
+		}
+		// The READ waits for the handshake; polls post it.
+		if f := r.d.finished(t); len(f.Recving) > 0 || len(f.Failed) > 0 {
+			t.Fatalf("finished before its READ was posted: %+v", f)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// checkReady is whether reqID's check has its result waiting.
+func (r *digestRun) checkReady(reqID string) bool {
+	w := r.d.work
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	st := w.recv[reqID]
+	return st != nil && st.checking != nil && len(st.checking) == 1
+}
+
+// An engine that says when a READ's bytes landed (nixl.Lander; the ucx
+// engine's own copies) has the check hashed from that moment: the poll that
+// sees the READ complete reports the request, checked, without a poll of
+// its own for the check (one step sooner). A damaged block is still caught
+// that way, and the decode's blocks are hashed only after they landed.
+func TestKVDigestCheckStartsWhenTheBytesLand(t *testing.T) {
+	old := idlePollAfter
+	idlePollAfter = 0 // only this test's polls: the idle poller would start the check too
+	defer func() { idlePollAfter = old }()
+	for _, damage := range []bool{false, true} {
+		t.Run(fmt.Sprintf("damaged=%v", damage), func(t *testing.T) {
+			eng := nixltest.NewEngine("t")
+			eng.SetScript(nixltest.Script{Polls: 1 << 30, Lands: true}) // completes only when settled
+			r := newDigestRunEngine(t, KVDigestFail, nil, eng)
+			const tokens = 3*tBlockSize - 1
+			out := withDigests(t, r.p, "req-1", []int64{3, 4, 5}, tokens, prefill(t, r.p, "req-1", []int64{3, 4, 5}, tokens))
+			if damage {
+				r.p.kv.slot(0, 0, 4, 0, 1)[0] ^= 1
+			}
+			id := r.readInFlight(t, eng, "dreq-1", out, []int64{7, 8, 9})
+			if f := r.d.finished(t); contains(f.Recving, "dreq-1") {
+				t.Fatalf("reported before the READ landed: %+v", f)
+			}
+			time.Sleep(20 * time.Millisecond)
+			if r.checkReady("dreq-1") {
+				t.Fatal("a check result before the READ's bytes landed")
+			}
+			if !eng.Settle(id, true) {
+				t.Fatal("could not settle the READ")
+			}
+			deadline := time.Now().Add(10 * time.Second)
+			for !r.checkReady("dreq-1") {
+				if time.Now().After(deadline) {
+					t.Fatal("the check did not run after the READ landed")
+				}
+				time.Sleep(time.Millisecond)
+			}
+			f := r.d.finished(t) // the first poll that sees the READ complete
+			if !contains(f.Recving, "dreq-1") {
+				t.Fatalf("the poll that saw the READ complete did not report it: %+v", f)
+			}
+			if got := contains(f.Failed, "dreq-1"); got != damage {
+				t.Fatalf("failed=%v, want %v (%v)", got, damage, r.mismatchLines())
+			}
+		})
+	}
+}
+
+// A READ that never lands (its peer frozen) keeps a landing watch, which
+// a timeout ends, and Close ends too: Close waits for checks, so a watch it
+// could not end would hang the worker's Close.
+func TestKVDigestLandingWatchEndsWithTheRead(t *testing.T) {
+	for _, how := range []string{"timeout", "close"} {
+		t.Run(how, func(t *testing.T) {
+			eng := nixltest.NewEngine("t")
+			eng.SetScript(nixltest.Script{Polls: 1 << 30, Lands: true})
+			clock := NewFakeClock(1000)
+			r := newDigestRunEngine(t, KVDigestFail, clock.Now, eng)
+			const tokens = 2 * tBlockSize
+			out := withDigests(t, r.p, "req-1", []int64{3, 4}, tokens, prefill(t, r.p, "req-1", []int64{3, 4}, tokens))
+			r.readInFlight(t, eng, "dreq-1", out, []int64{7, 8})
+			w := r.d.work
+			w.mu.Lock()
+			watched := w.recv["dreq-1"] != nil && w.recv["dreq-1"].unwatch != nil
+			w.mu.Unlock()
+			if !watched {
+				t.Fatal("no landing watch for a READ of an engine that says when bytes land")
+			}
+			if how == "timeout" {
+				clock.Advance(w.cfg.TransferTimeout + 1)
+				f := r.d.finished(t)
+				if !contains(f.Failed, "dreq-1") {
+					t.Fatalf("the READ did not time out: %+v", f)
+				}
+				ended := make(chan struct{})
+				go func() { w.checks.Wait(); close(ended) }()
+				select {
+				case <-ended:
+				case <-time.After(5 * time.Second):
+					t.Fatal("the landing watch outlived the failed READ")
+				}
+			}
+			done := make(chan error, 1)
+			go func() { done <- w.Close() }()
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Fatal("Close hung on a landing watch")
+			}
+		})
 	}
 }

@@ -42,6 +42,9 @@ type recvState struct {
 	// checking: the hashing of the blocks read, once every READ completed
 	// (kvdigest.go checkDoneLocked).
 	checking chan digestResult
+	// unwatch ends the goroutine that starts the check once the READs
+	// landed (kvdigest.go watchLandingLocked), nil when none runs.
+	unwatch func()
 }
 
 type inflight struct {
@@ -235,6 +238,7 @@ func (w *Worker) readLocked(st *recvState) {
 		read[rr.agent] = true
 		st.xfers = append(st.xfers, f)
 	}
+	w.watchLandingLocked(st)
 	// Ranks handshaken with but not read (MLA's single reader, duplicate
 	// GQA heads) are told now that this decode rank is done with them.
 	w.notifyRanksLocked(st, re, notif, read, "Remote rank will not update request state. This may indicate network issues.")
@@ -670,6 +674,7 @@ func (w *Worker) pollTransfersLocked() {
 			}
 		}
 		delete(w.recv, id)
+		w.stopWatchLocked(st)
 		if st.check != nil && st.check.stopFetch != nil {
 			st.check.stopFetch() // a failed READ's fetch stops asking
 		}
@@ -755,6 +760,7 @@ func (w *Worker) retryStuckLocked(st *recvState, f *inflight, now float64) bool 
 
 func (w *Worker) failLocked(st *recvState, kind, msg string, err error) {
 	st.failed = true
+	w.stopWatchLocked(st)
 	w.logFailure(kind, st, msg, err)
 }
 

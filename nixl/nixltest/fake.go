@@ -48,6 +48,10 @@ type Script struct {
 	// NoCopy leaves memory untouched (for tests that register fake
 	// addresses). Notifications are still delivered.
 	NoCopy bool
+	// Lands makes a transfer's Landed (nixl.Lander) a channel closed when
+	// its bytes moved (at completion, as the ucx engine's own copies
+	// do); off, Landed returns nil: when the bytes land is not known.
+	Lands bool
 	// PrepHook, if set, is called at the start of PrepDescList (remote
 	// agent name, "" for a local list; descriptor count) without the
 	// engine's lock held: a test can make a preparation slow and check
@@ -613,9 +617,18 @@ type xfer struct {
 	start    time.Time
 	postDur  time.Duration
 	xferDur  time.Duration
-	refused  int    // releases refused (Script.RefuseReleaseInFlight, a scripted ReleaseXfer failure)
-	started  bool   // its operations were issued (a Post that did not fail)
-	peer     *Agent // the agent its operations target, from Post
+	refused  int           // releases refused (Script.RefuseReleaseInFlight, a scripted ReleaseXfer failure)
+	started  bool          // its operations were issued (a Post that did not fail)
+	peer     *Agent        // the agent its operations target, from Post
+	landed   chan struct{} // this post's, with Script.Lands; closed at completion
+}
+
+// Landed is nixl.Lander's channel of the last post: nil without
+// Script.Lands or before a post.
+func (x *xfer) Landed() <-chan struct{} {
+	x.a.e.mu.Lock()
+	defer x.a.e.mu.Unlock()
+	return x.landed
 }
 
 func (x *xfer) stale(op string) error {
@@ -648,6 +661,10 @@ func (x *xfer) Post() (nixl.Status, error) {
 	}
 	x.start = time.Now()
 	x.posted, x.polls, x.postDur, x.xferDur, x.started = true, 0, 0, 0, false
+	x.landed = nil
+	if a.script.Lands {
+		x.landed = make(chan struct{})
+	}
 	if err := a.fault(StepPost); err != nil {
 		x.status = nixl.StatusOf(err)
 		return x.status, err
@@ -671,6 +688,9 @@ func (x *xfer) Post() (nixl.Status, error) {
 // complete moves the data and delivers the notification.
 func (x *xfer) complete(peer *Agent) {
 	x.move(peer)
+	if x.landed != nil {
+		close(x.landed) // complete runs once per post
+	}
 	if x.hasNotif {
 		x.a.e.deliverLocked(x.a, peer, x.notif)
 	}

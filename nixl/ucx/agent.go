@@ -113,13 +113,14 @@ func (p *peer) checkDead(now time.Time) bool {
 	return p.dead
 }
 
-// The optional capabilities this engine's agent provides (nixl/capabilities.go).
+// The optional capabilities this engine's agent (and transfer) provides (nixl/capabilities.go).
 var (
 	_ nixl.Agent             = (*agent)(nil)
 	_ nixl.StridedPreparer   = (*agent)(nil)
 	_ nixl.Describer         = (*agent)(nil)
 	_ nixl.EndpointDescriber = (*agent)(nil)
 	_ nixl.NotifDropCounter  = (*agent)(nil)
+	_ nixl.Lander            = (*xfer)(nil)
 )
 
 // agent implements nixl.Agent over one UCP context and one worker. mu

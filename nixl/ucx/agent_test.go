@@ -799,14 +799,22 @@ func TestHostCopyIsAsync(t *testing.T) {
 	if p.bufA[n-1] != 0 {
 		t.Fatal("bytes landed before the copy ran")
 	}
+	landed := x.(nixl.Lander).Landed()
+	select {
+	case <-landed:
+		t.Fatal("Landed closed before the copy ran")
+	default:
+	}
 	close(release)
-	// B never progresses: the data must still arrive.
-	deadline := time.Now().Add(10 * time.Second)
-	for !bytes.Equal(p.bufA, p.bufB) {
-		if time.Now().After(deadline) {
-			t.Fatal("the READ's bytes did not land without the peer's progress")
-		}
-		time.Sleep(time.Millisecond)
+	// B never progresses: the data must still arrive, and Landed says so
+	// without a Check.
+	select {
+	case <-landed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Landed did not close after the copy")
+	}
+	if !bytes.Equal(p.bufA, p.bufB) {
+		t.Fatal("Landed closed before every byte of the READ was in place")
 	}
 	if st, err := wait(t, x, p.b, 10*time.Second); st != nixl.Success {
 		t.Fatalf("READ: %v %v", st, err)
@@ -873,6 +881,11 @@ func TestHostCopyPanicFailsTheTransfer(t *testing.T) {
 	st, err := wait(t, x, p.b, 10*time.Second)
 	if st != nixl.ErrBackend || err == nil || !strings.Contains(err.Error(), "panic: injected") {
 		t.Fatalf("after a panic in the copy: %v %v, want ERR_BACKEND naming the panic", st, err)
+	}
+	select {
+	case <-x.(nixl.Lander).Landed():
+		t.Fatal("Landed closed for a transfer that failed")
+	default:
 	}
 	if err := x.Release(); err != nil {
 		t.Fatal(err)

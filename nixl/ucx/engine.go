@@ -66,8 +66,21 @@ func (e *engine) Info() string {
 	if len(e.tried) > 0 {
 		s += " (skipped: " + strings.Join(e.tried, "; ") + ")"
 	}
+	if e.version[0] == 1 && e.version[1] == 13 {
+		s += "; " + tcpCaveat
+	}
 	return s
 }
+
+// tcpCaveat is said with the engine's description when it runs on UCX
+// 1.13 (Debian 12's libucx0): its TCP transport, which carries every
+// transfer to a peer on another host or in another network namespace,
+// crashed a process in uct_tcp_iface_progress (SIGSEGV) on a first
+// transfer in 14 of 120 two-process runs here, and in 0 of 60 with UCX
+// 1.22 (docs/environment-ucx.md).
+const tcpCaveat = "caveat: UCX 1.13's TCP transport can crash this process on a first transfer over TCP " +
+	"(peers on other hosts or in other network namespaces); a libucx wheel (pip install libucx-cu12, " +
+	"preferred by this engine when installed) or GONIXL_UCX_LIB naming a newer libucp avoids it"
 
 // Version returns the loaded libucp's version, or zeros before a load.
 func Version() (major, minor, release uint) {

@@ -47,6 +47,10 @@ type xfer struct {
 	final    nixl.Status // sticky terminal status (Success or an error) once reached
 	finalErr error
 	start    time.Time
+	// landed: closed once this post's bytes have moved (nixl.Lander);
+	// a new one for each post.
+	landed   chan struct{}
+	hasLand  bool // landed was closed
 	postDur  time.Duration
 	xferDur  time.Duration
 	released bool
@@ -129,6 +133,9 @@ func (x *xfer) Post() (nixl.Status, error) {
 	x.final = nixl.InProgress
 	x.finalErr = nil
 	x.start = time.Now()
+	if x.landed == nil || x.hasLand {
+		x.landed, x.hasLand = make(chan struct{}), false
+	}
 	if copyFn, mapped := x.hostCopy(); copyFn != nil {
 		x.startHostCopy(fn, copyFn, mapped)
 		return nixl.InProgress, nil
@@ -237,6 +244,7 @@ func (x *xfer) afterHostCopy(fn string, rc C.int) (st nixl.Status, err error, do
 	}
 	switch rc {
 	case 0:
+		x.landLocked() // the copy is done; the notification goes out now
 		rc = C.gx_data_done(a.c, p.ep, x.c)
 	case gxErrCMADenied:
 		p.noCMA = true
@@ -279,6 +287,7 @@ func (x *xfer) settle(rc C.int, fn string) (nixl.Status, error) {
 	case st == nixl.Success:
 		x.xferDur = time.Since(x.start)
 		x.final = nixl.Success
+		x.landLocked()
 		x.peer.established = true
 		return st, nil
 	}
@@ -292,6 +301,21 @@ func (x *xfer) settle(rc C.int, fn string) (nixl.Status, error) {
 	err.(*nixl.Error).Status = st
 	x.final, x.finalErr = st, err
 	return st, err
+}
+
+// Landed is nixl.Lander's channel of the last post (nil before a post).
+func (x *xfer) Landed() <-chan struct{} {
+	x.a.mu.Lock()
+	defer x.a.mu.Unlock()
+	return x.landed
+}
+
+// landLocked closes the post's landed channel (agent mutex held), once.
+func (x *xfer) landLocked() {
+	if x.landed != nil && !x.hasLand {
+		x.hasLand = true
+		close(x.landed)
+	}
 }
 
 func (x *xfer) Check() (nixl.Status, error) {
