@@ -31,13 +31,19 @@
 #                                progress, so that a READ is in flight when the prefill is killed
 #                                or frozen; with cma the decode copies by itself and such a READ
 #                                completes, correctly, before the fault lands)
-#   UCX_TLS                      default here ^cma: UCX's own CMA lane (rma_bw) serves a
+#   UCX_TLS                      default here ^cma,tcp: UCX's own CMA lane (rma_bw) serves a
 #                                ucp_get one-sided too, for descriptors above its zero-copy
 #                                threshold (contiguous blocks coalesce into such descriptors,
 #                                so it depends on where the prefill's allocator put them); the
 #                                READ then completes from a stopped prefill in milliseconds
 #                                (seen in case b: 0.03 s, correct). Without CMA every same-host
 #                                READ is served by the peer's progress, as cases b and d need.
+#                                Without tcp too (^cma,tcp): UCX 1.13.1's TCP transport crashes a
+#                                process in its progress (uct_tcp_iface_progress, SIGSEGV) on a
+#                                first transfer now and then; with ^cma the RMA lanes are tcp and
+#                                the prefill's worker died in 3 of 7 runs of this suite. Measured
+#                                with gonixl-bench transfer (docs/environment-ucx.md): 14 of 120
+#                                runs with tcp lanes, 0 of 60 without, 0 of 60 with UCX 1.22.
 #   GONIXL_FAULTS_LEASE          kv_lease_duration, seconds (4)
 #   GONIXL_FAULTS_TRANSFER_TIMEOUT  transfer_timeout, seconds (10)
 #   GONIXL_FAULTS_HANDSHAKE_TIMEOUT handshake_timeout, seconds (5)
@@ -57,7 +63,7 @@ e2e_require "$MODEL"
 e2e_vllm_args "$MODEL"
 ENGINE="${GONIXL_E2E_ENGINE:-ucx}"
 export GONIXL_UCX_DATA_PATH="${GONIXL_UCX_DATA_PATH:-ucp}"
-export UCX_TLS="${UCX_TLS:-^cma}"
+export UCX_TLS="${UCX_TLS:-^cma,tcp}"
 LEASE="${GONIXL_FAULTS_LEASE:-4}"
 TRANSFER_TIMEOUT="${GONIXL_FAULTS_TRANSFER_TIMEOUT:-10}"
 HANDSHAKE_TIMEOUT="${GONIXL_FAULTS_HANDSHAKE_TIMEOUT:-5}"

@@ -618,6 +618,14 @@ def _frozen_read_attempt(env, policies):
     return {p: (exs[p], outcomes[p], log_from(cfg.decode_log[p], offsets[p]), outcomes[p].started - t_stop) for p in policies}, frozen_s
 
 
+def _log_excerpt(log: str, limit: int = 40) -> str:
+    """gonixl's lines and vLLM's KV-transfer lines of a decode's log, the
+    last `limit` of them: what a failed assertion needs to say which path
+    the request took."""
+    keep = [ln[:600] for ln in log.splitlines() if "gonixl" in ln or "KV Transfer" in ln or "KV load" in ln or "kv_transfer" in ln]
+    return "\n".join(keep[-limit:]) or "(no gonixl lines)"
+
+
 def test_d_read_to_frozen_prefill(env):
     cfg, base, summary = env["cfg"], env["base"], env["summary"]
     # Only a READ that needs the prefill's progress can be held up by
@@ -653,7 +661,7 @@ def test_d_read_to_frozen_prefill(env):
             assert not (kind == "correct" and not kinds), (
                 f"decode-{policy}: the READ completed with the prefill frozen ({o.brief()}; UCX_TLS={os.environ.get('UCX_TLS')!r}, "
                 f"GONIXL_UCX_DATA_PATH={os.environ.get('GONIXL_UCX_DATA_PATH')!r}): a transport served it without the peer's progress, "
-                "so case d did not test a READ that cannot complete"
+                "so case d did not test a READ that cannot complete; the decode's log of the attempt:\n" + _log_excerpt(log)
             )
             stuck = "transfer_release_failed" in log
             if stuck:
