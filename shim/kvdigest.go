@@ -516,11 +516,13 @@ func (w *Worker) checkDoneLocked(st *recvState) bool {
 // that is (nixl.Lander: the ucx engine's own copies) and every READ was
 // posted in place. The poll that sees the READs complete then usually
 // finds the result there (checkDoneLocked takes it), instead of starting
-// the hashing and reporting the request a step later. Not under a test
-// fault (kvfault.go damages the blocks before their check). The watch
-// ends with the request (stopWatchLocked): failed, judged, or Close.
+// the hashing and reporting the request a step later. A test fault
+// (kvfault.go) that damages a block read does so once the READ landed,
+// before the hashing, as the poll does without a watch. The watch ends
+// with the request (stopWatchLocked): failed, judged, or Close.
 func (w *Worker) watchLandingLocked(st *recvState) {
-	if st.check == nil || st.checking != nil || st.failed || !st.report || w.closed || len(st.xfers) == 0 || w.kvFaultFor(st.id) != faultNone {
+	fault := w.kvFaultFor(st.id)
+	if st.check == nil || st.checking != nil || st.failed || !st.report || w.closed || len(st.xfers) == 0 || fault == faultLate {
 		return
 	}
 	landed := make([]<-chan struct{}, 0, len(st.xfers))
@@ -557,6 +559,13 @@ func (w *Worker) watchLandingLocked(st *recvState) {
 			case <-ctx.Done():
 				return // failed or closed: nobody takes a result
 			}
+		}
+		if fault == faultFlip {
+			w.mu.Lock()
+			if ctx.Err() == nil {
+				w.flipFaultLocked(st)
+			}
+			w.mu.Unlock()
 		}
 		ch <- w.runCheck(c)
 		w.mu.Lock()

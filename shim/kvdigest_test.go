@@ -253,8 +253,18 @@ func TestParseKVDigestRefusesMisshapen(t *testing.T) {
 // caught; requests not named for a fault are read intact.
 func TestKVFaultsAreCaught(t *testing.T) {
 	t.Setenv(EnvKVFault, "1")
+	// lands: an engine that says when a READ landed, so the check starts
+	// then (watchLandingLocked) and a flip happens there.
+	for _, lands := range []bool{false, true} {
+		t.Run(fmt.Sprintf("lands=%v", lands), func(t *testing.T) { testKVFaultsAreCaught(t, lands) })
+	}
+}
+
+func testKVFaultsAreCaught(t *testing.T, lands bool) {
 	clock := NewFakeClock(1000)
-	r := newDigestRunClock(t, KVDigestFail, clock.Now)
+	eng := nixltest.NewEngine("t")
+	eng.SetScript(nixltest.Script{Lands: lands})
+	r := newDigestRunEngine(t, KVDigestFail, clock.Now, eng)
 	const tokens = 3 * tBlockSize
 	blocks := func(i int64) []int64 { return []int64{3 * i, 3*i + 1, 3*i + 2} }
 	for i, id := range []string{"plain", "kvfault-flip", "kvfault-tail"} {
