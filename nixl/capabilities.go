@@ -51,8 +51,12 @@ type PostCopies interface {
 // Lander is a transfer that says when its bytes are in place, before a
 // poll sees it complete: the channel Landed returns after a Post is
 // closed once every byte of that post has moved (a READ's data is in
-// local memory, a WRITE's in the peer's), and is never closed for a post
-// that fails, is cancelled or is released first. A caller waits on it to
+// local memory, a WRITE's in the peer's), at the latest by the Check that
+// first reports Success (a caller may wait on it instead of polling), and
+// never for a post whose bytes did not all move: one that fails before
+// or during the data, is cancelled or is released first. A post whose
+// bytes moved and whose completion notification then failed has landed
+// and still reports its failure. A caller waits on it to
 // start work on the data on a goroutine of its own (the shim's KV digest
 // check of a READ) instead of at the next poll. Call Landed after Post:
 // a transfer posted again gets a new channel. The ucx engine closes it

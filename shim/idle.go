@@ -110,11 +110,15 @@ var idlePollAfter = time.Second
 
 // startIdlePoller runs IdlePoll every idlePollAfter until the worker closes.
 func (w *Worker) startIdlePoller() {
-	if idlePollAfter <= 0 {
+	// This worker's period, read once: tests change the global between
+	// workers, and this worker's goroutine must not read it then.
+	every := idlePollAfter
+	w.idleEvery = every
+	if every <= 0 {
 		return
 	}
 	go func() {
-		t := time.NewTicker(idlePollAfter)
+		t := time.NewTicker(every)
 		defer t.Stop()
 		for range t.C {
 			if !w.idlePollSafe() {
@@ -131,7 +135,7 @@ func (w *Worker) IdlePoll() bool {
 	if w.closed {
 		return false
 	}
-	if w.agent == nil || !w.busyLocked() || w.agentBusyLocked() || time.Since(w.lastPoll) < idlePollAfter {
+	if w.agent == nil || !w.busyLocked() || w.agentBusyLocked() || time.Since(w.lastPoll) < w.idleEvery {
 		return true
 	}
 	before := len(w.done.Sending) + len(w.done.Recving) + len(w.done.Failed)

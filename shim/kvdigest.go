@@ -553,6 +553,7 @@ func (w *Worker) watchLandingLocked(st *recvState) {
 		done()
 	}, func() {
 		defer done()
+		defer cancel() // its context leaves w.fetches with it
 		for _, l := range landed {
 			select {
 			case <-l:
@@ -560,12 +561,11 @@ func (w *Worker) watchLandingLocked(st *recvState) {
 				return // failed or closed: nobody takes a result
 			}
 		}
-		if fault == faultFlip {
-			w.mu.Lock()
-			if ctx.Err() == nil {
-				w.flipFaultLocked(st)
-			}
-			w.mu.Unlock()
+		if fault == faultFlip && !w.flipLanded(ctx, st) {
+			return
+		}
+		if ctx.Err() != nil {
+			return
 		}
 		ch <- w.runCheck(c)
 		w.mu.Lock()
@@ -574,6 +574,18 @@ func (w *Worker) watchLandingLocked(st *recvState) {
 			w.publishLocked(true)
 		}
 	})
+}
+
+// flipLanded applies the kvfault-flip test fault to st's landed blocks,
+// unless its watch ended; false when it did.
+func (w *Worker) flipLanded(ctx context.Context, st *recvState) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if ctx.Err() != nil {
+		return false
+	}
+	w.flipFaultLocked(st)
+	return true
 }
 
 // stopWatchLocked ends st's landing watch, if any.

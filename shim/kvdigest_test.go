@@ -503,10 +503,12 @@ func TestKVDigestCheckStartsWhenTheBytesLand(t *testing.T) {
 // a timeout ends, and Close ends too: Close waits for checks, so a watch it
 // could not end would hang the worker's Close.
 func TestKVDigestLandingWatchEndsWithTheRead(t *testing.T) {
-	for _, how := range []string{"timeout", "close"} {
+	// stuck: the timed-out READ's release is refused and its request stays
+	// (holdStuckLocked): failLocked must end the watch, not the removal.
+	for _, how := range []string{"timeout", "stuck", "close"} {
 		t.Run(how, func(t *testing.T) {
 			eng := nixltest.NewEngine("t")
-			eng.SetScript(nixltest.Script{Polls: 1 << 30, Lands: true})
+			eng.SetScript(nixltest.Script{Polls: 1 << 30, Lands: true, RefuseReleaseInFlight: how == "stuck", InFlightSurvivesInvalidate: how == "stuck"})
 			clock := NewFakeClock(1000)
 			r := newDigestRunEngine(t, KVDigestFail, clock.Now, eng)
 			const tokens = 2 * tBlockSize
@@ -519,11 +521,18 @@ func TestKVDigestLandingWatchEndsWithTheRead(t *testing.T) {
 			if !watched {
 				t.Fatal("no landing watch for a READ of an engine that says when bytes land")
 			}
-			if how == "timeout" {
+			if how != "close" {
 				clock.Advance(w.cfg.TransferTimeout + 1)
 				f := r.d.finished(t)
 				if !contains(f.Failed, "dreq-1") {
 					t.Fatalf("the READ did not time out: %+v", f)
+				}
+				w.mu.Lock()
+				st := w.recv["dreq-1"]
+				stuck := st != nil && len(st.xfers) > 0 && st.xfers[0].stuck > 0
+				w.mu.Unlock()
+				if stuck != (how == "stuck") {
+					t.Fatalf("stuck=%v, want %v", stuck, how == "stuck")
 				}
 				ended := make(chan struct{})
 				go func() { w.checks.Wait(); close(ended) }()
@@ -541,5 +550,47 @@ func TestKVDigestLandingWatchEndsWithTheRead(t *testing.T) {
 				t.Fatal("Close hung on a landing watch")
 			}
 		})
+	}
+}
+
+// A second load of a request whose check is still hashing replaces it
+// (startReadsLocked): the replaced request's watch ends then, not at Close.
+func TestKVDigestDuplicateLoadEndsTheOldWatch(t *testing.T) {
+	old := idlePollAfter
+	idlePollAfter = 0
+	defer func() { idlePollAfter = old }()
+	hold := make(chan struct{})
+	testPanicHook = func(what string) {
+		if what == "kv digest check" {
+			<-hold // the check is still hashing
+		}
+	}
+	// Registered before the engines' own clean-ups: reset after they closed.
+	t.Cleanup(func() { testPanicHook = nil })
+	eng := nixltest.NewEngine("t")
+	eng.SetScript(nixltest.Script{Polls: 1 << 30, Lands: true})
+	r := newDigestRunEngine(t, KVDigestFail, nil, eng)
+	const tokens = 2 * tBlockSize
+	out := withDigests(t, r.p, "req-1", []int64{3, 4}, tokens, prefill(t, r.p, "req-1", []int64{3, 4}, tokens))
+	id := r.readInFlight(t, eng, "dreq-1", out, []int64{7, 8})
+	eng.Settle(id, true)
+	if f := r.d.finished(t); contains(f.Recving, "dreq-1") {
+		t.Fatal("reported while its check was held")
+	}
+	w := r.d.work
+	w.mu.Lock()
+	oldSt := w.recv["dreq-1"]
+	if oldSt == nil || len(oldSt.xfers) != 0 || oldSt.unwatch == nil {
+		w.mu.Unlock()
+		close(hold)
+		t.Fatalf("set-up: %+v", oldSt)
+	}
+	w.startReadsLocked(&StepMeta{ReqsToRecv: map[string]*RecvReq{"dreq-1": oldSt.meta}})
+	replaced := w.recv["dreq-1"] != oldSt
+	ended := oldSt.unwatch == nil
+	w.mu.Unlock()
+	close(hold)
+	if !replaced || !ended {
+		t.Fatalf("replaced=%v, old watch ended=%v", replaced, ended)
 	}
 }

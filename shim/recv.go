@@ -87,9 +87,13 @@ func (w *Worker) startReadsLocked(m *StepMeta) {
 	sort.Strings(ids)
 	for _, id := range ids {
 		rr := m.ReqsToRecv[id]
-		if old, dup := w.recv[id]; dup && (old.waiting || len(old.xfers) > 0) {
+		old, dup := w.recv[id]
+		if dup && (old.waiting || len(old.xfers) > 0) {
 			w.log.Warn("request is already loading; ignoring the second load", zap.String("req_id", id))
 			continue
+		}
+		if dup {
+			w.stopWatchLocked(old) // replaced: nobody takes its check
 		}
 		st := &recvState{id: id, meta: rr, report: rr.AwaitingKVs || !rr.LocalBlockIDs.Empty()}
 		w.recv[id] = st

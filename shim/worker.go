@@ -130,8 +130,9 @@ type Worker struct {
 	// push: push mode, a prefill's sends and registrations (push_send.go);
 	// a decode's waits live on its recvStates (push_recv.go).
 	push       *pushSender
-	lastPoll   time.Time // GetFinished's last call (pollgap.go)
-	lockHolder string    // the last section that took mu through lockTimed
+	lastPoll   time.Time     // GetFinished's last call (pollgap.go)
+	idleEvery  time.Duration // this worker's idlePollAfter (idle.go)
+	lockHolder string        // the last section that took mu through lockTimed
 
 	// Posting from a goroutine (post.go): the posts waiting for the
 	// poster, whether it runs and its end, the batch it posts, and how

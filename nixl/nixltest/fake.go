@@ -655,16 +655,16 @@ func (x *xfer) Post() (nixl.Status, error) {
 	if x.posted && x.status == nixl.InProgress {
 		return nixl.ErrRepostActive, nixl.Errorf(nixl.ErrRepostActive, "Post", "request still in progress")
 	}
+	x.landed = nil // this post's (below), never the last one's
+	if a.script.Lands {
+		x.landed = make(chan struct{})
+	}
 	ri := a.remotes[x.remote.agent]
 	if ri == nil || ri.gen != x.gen {
 		return nixl.ErrNotFound, nixl.Errorf(nixl.ErrNotFound, "Post", "metadata of %q was invalidated or reloaded", x.remote.agent)
 	}
 	x.start = time.Now()
 	x.posted, x.polls, x.postDur, x.xferDur, x.started = true, 0, 0, 0, false
-	x.landed = nil
-	if a.script.Lands {
-		x.landed = make(chan struct{})
-	}
 	if err := a.fault(StepPost); err != nil {
 		x.status = nixl.StatusOf(err)
 		return x.status, err

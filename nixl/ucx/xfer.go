@@ -122,6 +122,8 @@ func (x *xfer) Post() (nixl.Status, error) {
 			return nixl.ErrRepostActive, nixl.Errorf(nixl.ErrRepostActive, fn, "previous post still in progress")
 		}
 	}
+	// This post's landed channel (nixl.Lander), closed only if its bytes move.
+	x.landed, x.hasLand = make(chan struct{}), false
 	p := x.peer
 	if a.peers[p.name] != p || p.gen != x.gen {
 		return nixl.ErrNotFound, nixl.Errorf(nixl.ErrNotFound, fn, "metadata of agent %q was invalidated or reloaded after MakeXfer", p.name)
@@ -133,9 +135,6 @@ func (x *xfer) Post() (nixl.Status, error) {
 	x.final = nixl.InProgress
 	x.finalErr = nil
 	x.start = time.Now()
-	if x.landed == nil || x.hasLand {
-		x.landed, x.hasLand = make(chan struct{}), false
-	}
 	if copyFn, mapped := x.hostCopy(); copyFn != nil {
 		x.startHostCopy(fn, copyFn, mapped)
 		return nixl.InProgress, nil
