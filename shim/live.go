@@ -93,13 +93,17 @@ type SchedulerLive struct {
 	HeartbeatLeases    int   `json:"heartbeat_leases"`     // remote leases this decode keeps alive with heartbeats
 	SideChannelServed  int64 `json:"side_channel_served"`  // handshake requests answered
 	SideChannelRefused int64 `json:"side_channel_refused"` // refused: malformed, unauthenticated, over limits
+	// PreemptionsDeferred: push mode, a prefill: times vLLM was about to
+	// preempt a request for room and waited a step instead, because a
+	// prompt announced for an early WRITE was not finished.
+	PreemptionsDeferred int64 `json:"preemptions_deferred"`
 }
 
 // Live returns the scheduler's live counts.
 func (s *Scheduler) Live() SchedulerLive {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	l := SchedulerLive{AwaitingKV: len(s.reqsNeedRecv), SendPending: len(s.reqsNeedSend)}
+	l := SchedulerLive{AwaitingKV: len(s.reqsNeedRecv), SendPending: len(s.reqsNeedSend), PreemptionsDeferred: s.preemptionsDeferred}
 	for _, t := range s.hbByEngine {
 		l.HeartbeatLeases += len(t.ids)
 	}
@@ -125,6 +129,8 @@ func newSchedulerRegistry(engineID string, live func() SchedulerLive) *prometheu
 			func() float64 { return f(live()) }))
 	}
 	c("gonixl_side_channel_served_total", "Side-channel handshake requests answered.", func(l SchedulerLive) float64 { return float64(l.SideChannelServed) })
+	c("gonixl_scheduler_preemptions_deferred_total", "Push mode, a prefill: times vLLM was about to preempt a request to make room and waited a step instead (has_pending_block_frees), because a prompt announced for an early WRITE was not finished.",
+		func(l SchedulerLive) float64 { return float64(l.PreemptionsDeferred) })
 	c("gonixl_side_channel_refused_total", "Side-channel requests refused: malformed frames, failed authentication, limits.", func(l SchedulerLive) float64 { return float64(l.SideChannelRefused) })
 	return reg
 }

@@ -90,6 +90,9 @@ func TestPushAnnouncedHoldsPreemptionOff(t *testing.T) {
 	if !p.sched.PendingBlockFrees() {
 		t.Fatal("an announced request does not hold preemption off")
 	}
+	if n := p.sched.Live().PreemptionsDeferred; n != 1 {
+		t.Fatalf("preemptions deferred %d, want 1 (gonixl_scheduler_preemptions_deferred_total)", n)
+	}
 	if _, _, err := p.sched.RequestFinished("a", in, true, 8, BlockIDs{{1, 2}}); err != nil {
 		t.Fatal(err)
 	}
@@ -103,6 +106,9 @@ func TestPushAnnouncedHoldsPreemptionOff(t *testing.T) {
 	clock.Advance(pushAnnounceStale + 1)
 	if p.sched.PendingBlockFrees() {
 		t.Fatal("a stale announcement holds preemption off for ever")
+	}
+	if n := p.sched.Live().PreemptionsDeferred; n != 1 {
+		t.Fatalf("preemptions deferred %d, want 1: only answers of true count", n)
 	}
 }
 

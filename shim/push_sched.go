@@ -150,7 +150,13 @@ func (s *Scheduler) PendingBlockFreesFenced() (pending, fenced bool) {
 			s.log.Warn("push: an announced request was not finished within its step; it no longer holds preemption off, and its early WRITE is dropped", zap.String("req_id", id))
 		}
 	}
-	return len(s.pushs.announced) > 0, len(s.pushs.preempted) > before
+	pending = len(s.pushs.announced) > 0
+	if pending {
+		// vLLM asks only where it would preempt a request to make room
+		// (scheduler.py's allocation loop): it waits a step instead.
+		s.preemptionsDeferred++
+	}
+	return pending, len(s.pushs.preempted) > before
 }
 
 // pushAnnouncedLocked reports (and forgets) whether reqID was announced

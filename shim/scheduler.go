@@ -27,20 +27,23 @@ type Scheduler struct {
 	wall func() float64
 	log  *zap.Logger
 
-	mu                sync.Mutex
-	closed            bool
-	reqsNeedRecv      map[string]*RecvReq
-	reqsNeedRecvOrder []string
-	reqsNeedSend      map[string]float64
-	reqsInBatch       map[string]struct{}
-	reqsNotProcessed  map[string]struct{}
-	hbByEngine        map[string]*hbTarget
-	hbReqEngine       map[string][2]string // local req id -> (engine, remote req id)
-	pushs             *pushSched           // push mode (push_sched.go)
-	lastHeartbeat     float64
-	hbInterval        float64
-	listener          *sidechannel.Listener
-	served            servedDigests // a decode's read-back digests (kvdigest_serve.go)
+	mu     sync.Mutex
+	closed bool
+	// preemptionsDeferred counts has_pending_block_frees answered true
+	// (push_sched.go; gonixl_scheduler_preemptions_deferred_total).
+	preemptionsDeferred int64
+	reqsNeedRecv        map[string]*RecvReq
+	reqsNeedRecvOrder   []string
+	reqsNeedSend        map[string]float64
+	reqsInBatch         map[string]struct{}
+	reqsNotProcessed    map[string]struct{}
+	hbByEngine          map[string]*hbTarget
+	hbReqEngine         map[string][2]string // local req id -> (engine, remote req id)
+	pushs               *pushSched           // push mode (push_sched.go)
+	lastHeartbeat       float64
+	hbInterval          float64
+	listener            *sidechannel.Listener
+	served              servedDigests // a decode's read-back digests (kvdigest_serve.go)
 	// instance: this scheduler process's random id, in the params it makes
 	// and in the handshake metadata it serves (kvwire.KeyInstance).
 	instance string

@@ -70,7 +70,7 @@ import aiohttp
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_common import gonixl_metrics_urls, metrics, model_task, read_from, samples, where_time_went
+from e2e_common import gonixl_metrics_urls, metrics, model_task, read_from, record_retry, samples, where_time_went
 
 
 def _env(name: str, default: str) -> str:
@@ -108,6 +108,7 @@ SEED = int(_env("GONIXL_PRESSURE_SEED", "2026"))
 ASYNC_ON = re.compile(r"gonixl-test: async scheduling on: AsyncScheduler, batch queue (\d+)")
 ASYNC_OVERLAP = re.compile(r"gonixl-test: async scheduling: (\d+) steps scheduled before an earlier step's output was processed")
 PREEMPTIONS = "vllm:num_preemptions_total"
+DEFERRED = "gonixl_scheduler_preemptions_deferred_total"
 GONIXL_GAUGES = [
     "gonixl_live_transfer_handles",
     "gonixl_stuck_transfer_handles",
@@ -165,7 +166,7 @@ class Result:
     verdict: str = ""  # correct | wrong (completed only)
 
 
-def make_plan(seed: int) -> list[Req]:
+def make_plan(seed: int, run_id: str) -> list[Req]:
     rng = random.Random(seed)
     prefixes = ["".join(rng.choice(model_task.FILLER_CHARS) for _ in range(256)) for _ in range(4)]
 
@@ -180,19 +181,19 @@ def make_plan(seed: int) -> list[Req]:
         return model_task.MAX_KEY_LEN + 2, False
 
     warm = model_task.make_example(random.Random(seed + 1), 64).prompt
-    plan = [Req(f"pr-{RUN_ID}-w0", "warm", warm, 4, True)]
-    plan += [Req(f"pr-{RUN_ID}-p{i}", "pressure", prompt(), *limits()) for i in range(PRESSURE_REQUESTS)]
-    plan += [Req(f"pr-{RUN_ID}-d{i}", "direct", prompt(), MAX_TOKENS, True) for i in range(DIRECT)]
-    abandoned = [Req(f"pr-{RUN_ID}-a{i}", "abandon", prompt(), *limits()) for i in range(ABANDON)]
+    plan = [Req(f"pr-{run_id}-w0", "warm", warm, 4, True)]
+    plan += [Req(f"pr-{run_id}-p{i}", "pressure", prompt(), *limits()) for i in range(PRESSURE_REQUESTS)]
+    plan += [Req(f"pr-{run_id}-d{i}", "direct", prompt(), MAX_TOKENS, True) for i in range(DIRECT)]
+    abandoned = [Req(f"pr-{run_id}-a{i}", "abandon", prompt(), *limits()) for i in range(ABANDON)]
     plan += abandoned
     # The fresh requests: clients coming back with the abandoned prompts
     # (and more, when FRESH > ABANDON), under new request ids.
     for i in range(FRESH):
         if i < len(abandoned):
             a = abandoned[i]
-            plan.append(Req(f"pr-{RUN_ID}-f{i}", "fresh", a.prompt, a.max_tokens, a.ignore_eos))
+            plan.append(Req(f"pr-{run_id}-f{i}", "fresh", a.prompt, a.max_tokens, a.ignore_eos))
         else:
-            plan.append(Req(f"pr-{RUN_ID}-f{i}", "fresh", prompt(), *limits()))
+            plan.append(Req(f"pr-{run_id}-f{i}", "fresh", prompt(), *limits()))
     return plan
 
 
@@ -254,7 +255,7 @@ async def run_many(session, url: str, reqs: list[Req], concurrency: int, give_up
     return list(await asyncio.gather(*(one(r) for r in reqs)))
 
 
-async def baseline(session, reqs: list[Req]) -> dict[str, list[int]]:
+async def baseline(session, reqs: list[Req], run_id: str) -> dict[str, list[int]]:
     """Greedy token ids per distinct prompt, EOS ignored, at the largest
     max_tokens asked for it; every expectation is a prefix (expected())."""
     need: dict[str, int] = {}
@@ -265,7 +266,7 @@ async def baseline(session, reqs: list[Req]) -> dict[str, list[int]]:
 
     async def one(i: int, prompt: str) -> None:
         async with sem:
-            res = await run_one(session, BASELINE, Req(f"pr-{RUN_ID}-b{i}", "baseline", prompt, need[prompt], True))
+            res = await run_one(session, BASELINE, Req(f"pr-{run_id}-b{i}", "baseline", prompt, need[prompt], True))
         if res.outcome != "completed" or res.token_ids is None:
             raise RuntimeError(f"baseline failed: {res.outcome} HTTP {res.status} {res.detail}")
         out[prompt] = res.token_ids
@@ -318,26 +319,37 @@ def preemptions(name: str) -> float:
     return sum(samples(metrics(INSTANCES[name]["url"]), PREEMPTIONS))
 
 
+def deferred(name: str) -> float:
+    """Times a push prefill's vLLM was about to preempt for room and waited
+    a step instead (has_pending_block_frees, for a prompt announced for its
+    early WRITE): gonixl's counter, 0 where gonixl does not serve it."""
+    if not INSTANCES[name].get("gonixl"):
+        return 0.0
+    return sum(x for u in gonixl_procs(name).values() for x in samples(metrics(u.removesuffix("/metrics")), DEFERRED))
+
+
 @dataclasses.dataclass
 class Run:
     results: list[Result]
     base: dict[str, list[int]]
     preempted: dict[str, float]
+    deferred: dict[str, float]
     rest: list[str]
     rest_after: float
     offsets: dict[str, int]
     wall: dict[str, float]
 
 
-async def _run() -> Run:
-    plan = make_plan(SEED)
+async def _run(seed: int, run_id: str) -> Run:
+    plan = make_plan(seed, run_id)
     offsets = {n: os.path.getsize(i["log"]) for n, i in INSTANCES.items() if n != "baseline"}
     pre0 = {n: preemptions(n) for n in ("prefill", "decode")}
+    def0 = {n: deferred(n) for n in ("prefill", "decode")}
     conn = aiohttp.TCPConnector(limit=0, force_close=True)  # one connection per request: a cancel closes it
     wall: dict[str, float] = {}
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
         t0 = time.monotonic()
-        base = await baseline(session, plan)
+        base = await baseline(session, plan, run_id)
         wall["baseline"] = time.monotonic() - t0
         say(f"baseline: {len(base)} prompts in {wall['baseline']:.1f}s")
         by = {p: [r for r in plan if r.phase == p] for p in ("warm", "pressure", "direct", "abandon", "fresh")}
@@ -365,6 +377,7 @@ async def _run() -> Run:
         rest = await asyncio.to_thread(not_at_rest)
     rest_after = time.monotonic() - t_end
     pre = {n: preemptions(n) - pre0[n] for n in ("prefill", "decode")}
+    dfr = {n: deferred(n) - def0[n] for n in ("prefill", "decode")}
     # Mismatches are asked again from the baseline directly (rules out a
     # fault in deriving the expectation).
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
@@ -376,12 +389,36 @@ async def _run() -> Run:
                 res = await run_one(session, BASELINE, r.req)
                 want = res.token_ids if res.outcome == "completed" else want
             r.verdict = "correct" if r.token_ids == want else "wrong"
-    return Run(results, base, pre, rest, rest_after, offsets, wall)
+    return Run(results, base, pre, dfr, rest, rest_after, offsets, wall)
+
+
+def _pressed(r: Run) -> bool:
+    """Both KV pools ran out: preempted, or (a push prefill) about to."""
+    return all(r.preempted[n] > 0 or r.deferred[n] > 0 for n in ("prefill", "decode"))
 
 
 @pytest.fixture(scope="module")
 def run() -> Run:
-    r = asyncio.run(_run())
+    r = asyncio.run(_run(SEED, RUN_ID))
+    if not _pressed(r):
+        # Whether the load runs a pool out depends on how the prefill's
+        # direct requests overlap the P/D prompts (push admission also
+        # holds prompts back until their decode registered): seen once in
+        # CI, a push prefill with 0 preemptions. Once more with other
+        # prompts, counted (./build.sh test allows one, tests/declared.toml);
+        # the first load's outputs are judged as well.
+        record_retry(f"pressure load {CONFIG}", f"no KV pool ran out: preemptions {r.preempted}, deferred {r.deferred}")
+        r2 = asyncio.run(_run(SEED + 1, RUN_ID + "r"))
+        r = Run(
+            results=r.results + r2.results,
+            base={**r.base, **r2.base},
+            preempted={n: r.preempted[n] + r2.preempted[n] for n in r.preempted},
+            deferred={n: r.deferred[n] + r2.deferred[n] for n in r.deferred},
+            rest=r2.rest,
+            rest_after=r2.rest_after,
+            offsets=r.offsets,
+            wall=r2.wall,
+        )
     by: dict[str, int] = {}
     for x in r.results:
         k = f"{x.req.phase}/{x.outcome}" + (f"/{x.verdict}" if x.verdict else "")
@@ -394,6 +431,7 @@ def run() -> Run:
         "outcomes": dict(sorted(by.items())),
         "latency_max_s": round(lat[-1], 1) if lat else None,
         "preemptions": r.preempted,
+        "preemptions_deferred": r.deferred,
         "at_rest_after_s": round(r.rest_after, 1),
         "not_at_rest": r.rest,
         "phases_s": {k: round(v, 1) for k, v in r.wall.items()},
@@ -444,8 +482,15 @@ def test_every_request_ended_within_its_bound(run):
 
 
 def test_both_instances_preempted(run):
+    """The load ran both KV pools out: vLLM preempted, or (a push prefill
+    only) was about to and waited a step because a prompt announced for its
+    early WRITE was not finished — gonixl's answer to has_pending_block_frees,
+    which vLLM asks only where it would preempt (issue 30's ownership rule:
+    no early WRITE reads blocks a preemption freed)."""
     for name in ("prefill", "decode"):
-        assert run.preempted[name] > 0, f"{name}: {PREEMPTIONS} did not grow: the load did not preempt (pool too large?)"
+        assert run.preempted[name] > 0 or run.deferred[name] > 0, (
+            f"{name}: neither {PREEMPTIONS} nor {DEFERRED} grew: the load did not preempt (pool too large?)"
+        )
 
 
 def test_every_live_gauge_zero_at_rest(run):
