@@ -441,13 +441,17 @@ func (c *Client) KVDigest(ctx context.Context, host string, port int, requestID 
 		}
 		return nil, wrap(err)
 	}
-	z, err := c.connect(ctx, addr)
-	if err != nil {
-		return fail(err)
-	}
-	defer z.c.Close()
+	// One connection per poll: a reader waiting for a decode that has not
+	// digested yet must not hold one of the listener's MaxConns slots (it
+	// evicts only connections idle for a second, and a poller never is),
+	// or hundreds of pending read-backs would lock handshakes out.
 	for {
+		z, err := c.connect(ctx, addr)
+		if err != nil {
+			return fail(err)
+		}
 		reply, err := c.kvQuery(ctx, z, requestID)
+		z.c.Close()
 		if err != nil {
 			return fail(err)
 		}

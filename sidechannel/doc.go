@@ -73,8 +73,9 @@
 // unverified or malformed queries are one frame.
 //
 // ListenerConfig.KVDigest supplies the digests (nil: always "none").
-// Client.KVDigest fetches one, polling "pending" every 20 ms on the same
-// connection until its context ends.
+// Client.KVDigest fetches one, polling "pending" every 20 ms until its
+// context ends, on a new connection each time (a waiting reader holds none
+// of the listener's MaxConns slots between polls).
 //
 // # API
 //

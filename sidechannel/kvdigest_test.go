@@ -560,3 +560,37 @@ func TestKVDigestClientLifecycle(t *testing.T) {
 		t.Errorf("silent listener: %v", err)
 	}
 }
+
+// A query polling a pending digest holds no listener connection between
+// its polls: hundreds of read-backs waiting on a slow decode must not take
+// the listener's MaxConns slots from handshakes.
+func TestKVDigestPollerHoldsNoConnection(t *testing.T) {
+	p := newKVProvider(map[string]func(int) (string, []byte){"r": func(call int) (string, []byte) {
+		if call < 6 {
+			return KVDigestPending, nil
+		}
+		return KVDigestOK, []byte("d")
+	}})
+	l := startListener(t, ListenerConfig{KVDigest: p.serve, MaxConns: 1}, "e", 0)
+	c := newTestClient(t, ClientConfig{})
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.KVDigest(ctxT(t), "127.0.0.1", l.Addr().Port, "r")
+		done <- err
+	}()
+	// While it polls, the listener's one slot serves a handshake: the
+	// slot is free between polls (a held connection, not idle for a
+	// second, would be refused room).
+	for p.called("r") < 2 {
+		time.Sleep(time.Millisecond)
+	}
+	if _, err := c.Handshake(ctxT(t), "127.0.0.1", l.Addr().Port, "e", Rank{0, 0}); err != nil {
+		t.Fatalf("a handshake while a digest query polls: %v", err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("the query: %v", err)
+	}
+	if n := p.called("r"); n != 6 {
+		t.Errorf("polled %d times, want 6", n)
+	}
+}
