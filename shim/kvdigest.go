@@ -468,29 +468,8 @@ func (w *Worker) checkDoneLocked(st *recvState) bool {
 		if w.closed {
 			return false
 		}
-		ch := make(chan digestResult, 1)
-		st.checking = ch
 		c := st.check
-		w.checks.Add(1)
-		var once sync.Once
-		done := func() { once.Do(w.checks.Done) }
-		w.goSafe("kv digest check", func(err error) {
-			select { // a result already sent stands
-			case ch <- digestResult{err: err}:
-			default:
-			}
-			done()
-		}, func() {
-			defer done()
-			ch <- w.runCheck(c)
-			// The next step polls (the worker is busy while st waits);
-			// the counter also wakes a step that would skip its call.
-			w.mu.Lock()
-			defer w.mu.Unlock()
-			if !w.closed {
-				w.publishLocked(true)
-			}
-		})
+		w.startCheckLocked(st, func() (digestResult, bool) { return w.runCheck(c), true })
 		return false
 	}
 	var r digestResult
@@ -539,9 +518,33 @@ func (w *Worker) watchLandingLocked(st *recvState) {
 	}
 	ctx, cancel := context.WithCancel(w.fetches) // Close cancels it too
 	st.unwatch = cancel
+	c := st.check
+	w.startCheckLocked(st, func() (digestResult, bool) {
+		defer cancel() // its context leaves w.fetches with it
+		for _, l := range landed {
+			select {
+			case <-l:
+			case <-ctx.Done():
+				return digestResult{}, false // failed or closed: nobody takes a result
+			}
+		}
+		if fault == faultFlip && !w.flipLanded(ctx, st) {
+			return digestResult{}, false
+		}
+		if ctx.Err() != nil {
+			return digestResult{}, false
+		}
+		return w.runCheck(c), true
+	})
+}
+
+// startCheckLocked runs a check of st on a goroutine of the worker's
+// (counted in w.checks, which Close waits for): run's result, when it has
+// one, goes to st.checking and wakes the next step. A panic is the
+// check's result (an error), unless one was sent already.
+func (w *Worker) startCheckLocked(st *recvState, run func() (digestResult, bool)) {
 	ch := make(chan digestResult, 1)
 	st.checking = ch
-	c := st.check
 	w.checks.Add(1)
 	var once sync.Once
 	done := func() { once.Do(w.checks.Done) }
@@ -553,21 +556,13 @@ func (w *Worker) watchLandingLocked(st *recvState) {
 		done()
 	}, func() {
 		defer done()
-		defer cancel() // its context leaves w.fetches with it
-		for _, l := range landed {
-			select {
-			case <-l:
-			case <-ctx.Done():
-				return // failed or closed: nobody takes a result
-			}
-		}
-		if fault == faultFlip && !w.flipLanded(ctx, st) {
+		r, ok := run()
+		if !ok {
 			return
 		}
-		if ctx.Err() != nil {
-			return
-		}
-		ch <- w.runCheck(c)
+		ch <- r
+		// The next step polls (the worker is busy while st waits); the
+		// counter also wakes a step that would skip its call.
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		if !w.closed {
