@@ -357,6 +357,16 @@ func TestPushFailedFromOneRankWaitsForTheOther(t *testing.T) {
 	}
 	pushTP(t, p, d, "cmpl-f-0-aaaaaaaa", "cmpl-f-0-bbbbbbbb", []int64{3}, []int64{7})
 	dd := d.side(0)
+	// Rank 1's WRITE goes out before rank 0 says anything: a cancel that
+	// reached rank 1 before its post (the decode's answer to rank 0's
+	// FAILED) would rightly end the wait with CANCELLED.
+	r1 := p.workers[1].agent.(*nixltest.Agent)
+	p.side(1).waitFinished(t, "rank 1's WRITE posted", func(Finished) bool {
+		if f := dd.finished(t); len(f.Recving)+len(f.Failed) != 0 {
+			t.Fatalf("the decode heard of an end before any rank said its last word: %+v", f)
+		}
+		return r1.CountCalls("Post") > 0
+	})
 	sawFailed := false
 	for i := 0; i < 50; i++ {
 		for r := range p.workers {
