@@ -118,8 +118,13 @@ func TestPollsAndPostsWaitOutAControlCall(t *testing.T) {
 // step with work, or with a heartbeat due, gets real metadata.
 func TestBuildMetaOrIdle(t *testing.T) {
 	eng := nixltest.NewEngine("t")
-	p := newSide(t, eng, "kv_producer", "engine-p", nil, 1, nil)
-	d := newSide(t, eng, "kv_consumer", "engine-d", nil, 200, nil)
+	// The schedulers' clock starts less than one heartbeat interval after
+	// zero, the time of the last heartbeat of a scheduler that sent none
+	// (the process clock would make the first one due in a test binary
+	// that ran longer than the interval already).
+	clock := NewFakeClock(1)
+	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, nil)
+	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, nil)
 	idle := func(sd *side, want bool, when string) {
 		t.Helper()
 		b, err := sd.sched.BuildMetaOrIdle()
