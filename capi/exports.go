@@ -510,6 +510,24 @@ func gonixl_worker_kv_digest(h C.gonixl_worker_t, reqs *C.char, n C.size_t, buf 
 	})
 }
 
+//export gonixl_worker_kv_digest_held
+func gonixl_worker_kv_digest_held(h C.gonixl_worker_t, reqs *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onWorker(h, cerr, func(w *shim.Worker) error {
+		b, err := readIn(reqs, n, "reqs")
+		if err != nil {
+			return err
+		}
+		return w.KVDigestsHeld(b)
+	})
+}
+
+//export gonixl_worker_kv_digests_ready
+func gonixl_worker_kv_digests_ready(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onWorker(h, cerr, func(w *shim.Worker) error {
+		return consume(pendingKey{uint64(h), "kv_digests_ready", ""}, buf, lenp, w.TakeHeldDigests)
+	})
+}
+
 //export gonixl_worker_stats
 func gonixl_worker_stats(h C.gonixl_worker_t, buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return onWorker(h, cerr, func(w *shim.Worker) error {

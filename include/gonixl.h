@@ -39,7 +39,7 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change to this header. */
-#define GONIXL_ABI_VERSION 5
+#define GONIXL_ABI_VERSION 6
 
 /* Status codes. Append-only: never renumber. */
 typedef int32_t gonixl_status_t;
@@ -252,7 +252,7 @@ gonixl_status_t gonixl_worker_start_load_kv(gonixl_worker_t h, char *meta, size_
  * (little-endian; shim/kvwire/finished.go, docs/PROTOCOL.md):
  *   uint32 version (GONIXL_FINISHED_VERSION), uint32 flags
  *   (GONIXL_FINISHED_LOAD_ERRORS_PENDING, GONIXL_FINISHED_STATS_PENDING,
- *   GONIXL_FINISHED_PUSH_ARRIVALS_PENDING),
+ *   GONIXL_FINISHED_PUSH_ARRIVALS_PENDING, GONIXL_FINISHED_DIGESTS_PENDING),
  *   uint32 counts of finished_sending, finished_recving, failed_recving and
  *   reshaped requests; then each request id of the three lists as uint32
  *   length + bytes; then per reshaped request: uint32 id length, id bytes,
@@ -266,6 +266,7 @@ gonixl_status_t gonixl_worker_get_finished(gonixl_worker_t h, char *buf, size_t 
 #define GONIXL_FINISHED_LOAD_ERRORS_PENDING 1
 #define GONIXL_FINISHED_STATS_PENDING 2
 #define GONIXL_FINISHED_PUSH_ARRIVALS_PENDING 4
+#define GONIXL_FINISHED_DIGESTS_PENDING 8
 
 /* A worker's idle state, in memory the library writes (atomically) and the
  * caller reads without a call: busy is nonzero while the next engine step
@@ -308,6 +309,19 @@ gonixl_status_t gonixl_worker_push_arrivals(gonixl_worker_t h, char *buf, size_t
  * small parks the answer for the next call with the same handle. */
 gonixl_status_t gonixl_worker_kv_digest(gonixl_worker_t h, char *reqs_json, size_t reqs_len,
                                         char *buf, size_t *len, gonixl_error_t *err);
+
+/* kv_digest_held (a bidirectional decode, after the forward of the step
+ * whose metadata listed read-back holds): reqs_json as for kv_digest; the
+ * blocks are hashed on a goroutine and the call returns at once. Each
+ * hold's finished_sending waits for its hashing; get_finished's flag
+ * GONIXL_FINISHED_DIGESTS_PENDING says when digests are ready. */
+gonixl_status_t gonixl_worker_kv_digest_held(gonixl_worker_t h, char *reqs_json, size_t reqs_len,
+                                             gonixl_error_t *err);
+
+/* kv_digests_ready: the digests kv_digest_held finished since the last
+ * call, in kv_digest's answer form ({} when none). Size-negotiated. */
+gonixl_status_t gonixl_worker_kv_digests_ready(gonixl_worker_t h, char *buf, size_t *len,
+                                               gonixl_error_t *err);
 
 /* get_kv_connector_stats: JSON object of vLLM's stats lists accumulated since
  * the last call, or length 0 when there is nothing. Size-negotiated. */

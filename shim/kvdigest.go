@@ -255,11 +255,27 @@ func (w *Worker) checkIDs(ids BlockIDs) error {
 // by request id. Called after the step's forward, on vLLM's thread: the
 // digests must reach the request's kv_transfer_params in the same step.
 func (w *Worker) KVDigests(in []byte) ([]byte, error) {
+	defer w.lockTimed("kv_digests")()
+	reqs, err := w.digestReqsLocked(in)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]DigestOut, len(reqs))
+	for _, r := range reqs {
+		if d, ok := w.digestReq(r); ok {
+			out[r.ID] = d
+		} // else no digests: read unchecked (the panic is logged and counted)
+	}
+	return json.Marshal(out)
+}
+
+// digestReqsLocked parses and checks a JSON list of DigestReq; nil and no
+// error when this engine's KV cannot be digested (said once).
+func (w *Worker) digestReqsLocked(in []byte) ([]DigestReq, error) {
 	var reqs []DigestReq
 	if err := json.Unmarshal(in, &reqs); err != nil {
 		return nil, withClass(ErrInvalidInput, fmt.Errorf("kv digests: %w", err))
 	}
-	defer w.lockTimed("kv_digests")()
 	if w.closed {
 		return nil, withClass(ErrState, errors.New("worker is closed"))
 	}
@@ -267,10 +283,9 @@ func (w *Worker) KVDigests(in []byte) ([]byte, error) {
 		if w.noteOnce("digest:" + why) {
 			w.log.Warn("KV digests are not taken: "+why+"; decodes read this engine's KV unchecked", zap.String("kv_digest", w.cfg.KVDigest))
 		}
-		return []byte("{}"), nil
+		return nil, nil
 	}
 	ng := max(len(w.cfg.TransferGroups), 1)
-	out := make(map[string]DigestOut, len(reqs))
 	for _, r := range reqs {
 		if len(r.Blocks) != ng {
 			return nil, withClass(ErrInvalidInput, fmt.Errorf("kv digests: request %s has %d groups of blocks, this engine %d", r.ID, len(r.Blocks), ng))
@@ -278,20 +293,26 @@ func (w *Worker) KVDigests(in []byte) ([]byte, error) {
 		if err := w.checkIDs(r.Blocks); err != nil {
 			return nil, withClass(ErrInvalidInput, fmt.Errorf("kv digests: request %s: %w", r.ID, err))
 		}
-		d := DigestOut{Blocks: make([][]uint64, ng), Regions: make([][]uint64, ng)}
-		ok := true
-		for g, ids := range r.Blocks {
-			n := r.Tokens
-			var gok bool
-			d.Blocks[g], d.Regions[g], gok = w.digestBlocks(g, ids, func(j int) int64 { return min(w.blockSize, n-int64(j)*w.blockSize) })
-			ok = ok && gok
-		}
-		if !ok {
-			continue // no digests: read unchecked (the panic is logged and counted)
-		}
-		out[r.ID] = d
 	}
-	return json.Marshal(out)
+	if reqs == nil {
+		reqs = []DigestReq{}
+	}
+	return reqs, nil
+}
+
+// digestReq hashes one request's blocks (checked by digestReqsLocked). It
+// reads only the registered layout and the blocks: no lock needed. False
+// when a hashing goroutine panicked.
+func (w *Worker) digestReq(r DigestReq) (DigestOut, bool) {
+	d := DigestOut{Blocks: make([][]uint64, len(r.Blocks)), Regions: make([][]uint64, len(r.Blocks))}
+	ok := true
+	for g, ids := range r.Blocks {
+		n := r.Tokens
+		var gok bool
+		d.Blocks[g], d.Regions[g], gok = w.digestBlocks(g, ids, func(j int) int64 { return min(w.blockSize, n-int64(j)*w.blockSize) })
+		ok = ok && gok
+	}
+	return d, ok
 }
 
 // noteOnce is true the first time key is seen (a log line printed once).

@@ -9,7 +9,8 @@ package shim
 // they carry gonixl_kv_digest_served instead of the digests. The Python
 // connector lists the request in the next step's metadata (the held blocks,
 // the advertised token count) and its workers digest them after that step's
-// forward, as a pull prefill's do; the digests come back in the step's
+// forward, off vLLM's thread (KVDigestsHeld: a goroutine of the worker's,
+// whose result a later step takes); the digests come back in that step's
 // worker metadata and reach this scheduler through SetKVDigests. The side
 // channel serves them by request id (sidechannel.KVDigestMsg) until the
 // hold's TTL is over and a grace after it: the reader's READ notification
@@ -22,6 +23,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -218,4 +221,162 @@ func (w *Worker) fetchDigestLocked(st *recvState) (<-chan fetchedDigest, context
 		}
 	})
 	return ch, cancel
+}
+
+// heldDigests is a decode worker's read-back hashing (KVDigestsHeld). The
+// held blocks are the connector's until this worker reports the hold in
+// finished_sending; the hashing reads them, so that report waits for it:
+//
+//	event                                  effect
+//	KVDigestsHeld                          hashing[id]; a goroutine hashes
+//	the hold ends (reader's notification,  finished_sending held back
+//	  lease) while hashing[id]               (sendLater[id])
+//	the goroutine ends                     ready[id] (none on a panic);
+//	                                         sendLater[id] reported; change
+//	                                         counter bumped
+//	TakeHeldDigests (get_finished said     ready handed to the scheduler
+//	  digests pending)                       (worker metadata)
+//	Close                                  waits for the goroutine (w.checks)
+//
+// Under async scheduling the hold can end before its digests are asked for:
+// the metadata that lists it comes a step after request_finished's, and a
+// fast reader's notification may be reported in between, after which vLLM
+// may reuse the blocks. A hold whose finished_sending was reported
+// (sent, the last maxSentRemembered) is not hashed: its digests are ready
+// as none (null), so the reader reads unchecked at once instead of failing
+// on a hash of reused blocks.
+type heldDigests struct {
+	hashing   map[string]bool
+	sendLater map[string]bool
+	ready     map[string]*DigestOut // nil: none
+	sent      map[string]bool
+	sentOrder []string
+	// hook, tests: runs on the hashing goroutine before it hashes.
+	hook func([]DigestReq)
+}
+
+// KVDigestsHeld starts hashing the held blocks of a bidirectional decode's
+// finished requests (a JSON list of DigestReq, as KVDigests takes) on a
+// goroutine, and returns at once: called after the forward of the step
+// whose metadata listed them (the step that wrote their last advertised
+// token is done by then), on vLLM's thread. The digests are taken with
+// TakeHeldDigests once get_finished says they are pending; each request's
+// finished_sending waits for its hashing.
+func (w *Worker) KVDigestsHeld(in []byte) error {
+	defer w.lockTimed("kv_digests_held")()
+	reqs, err := w.digestReqsLocked(in)
+	if err != nil || len(reqs) == 0 {
+		return err
+	}
+	hd := &w.heldDigest
+	hd.init()
+	todo := reqs[:0:0]
+	for _, r := range reqs {
+		if hd.sent[r.ID] {
+			hd.ready[r.ID] = nil
+			if w.noteOnce("held digest after finished_sending") {
+				w.log.Info("a read-back hold ended before its digests were asked for (its reader was quicker than this engine's next step); served as not digested, read unchecked (logged once)",
+					zap.String("request_id", r.ID))
+			}
+			continue
+		}
+		hd.hashing[r.ID] = true
+		todo = append(todo, r)
+	}
+	if len(todo) == 0 {
+		w.publishLocked(true)
+		return nil
+	}
+	reqs = todo
+	hook := hd.hook
+	w.checks.Add(1)
+	var once sync.Once
+	done := func() { once.Do(w.checks.Done) }
+	out := make(map[string]DigestOut, len(reqs))
+	finish := func() {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		defer w.publishLocked(true)
+		for _, r := range reqs {
+			delete(hd.hashing, r.ID)
+			if d, ok := out[r.ID]; ok && !w.closed {
+				hd.ready[r.ID] = &d
+			}
+			if hd.sendLater[r.ID] {
+				delete(hd.sendLater, r.ID)
+				w.done.Sending = append(w.done.Sending, r.ID)
+			}
+		}
+	}
+	w.goSafe("kv digests of held blocks", func(error) { finish(); done() }, func() {
+		defer done()
+		if hook != nil {
+			hook(reqs)
+		}
+		for _, r := range reqs {
+			if d, ok := w.digestReq(r); ok {
+				out[r.ID] = d
+			}
+		}
+		finish()
+	})
+	return nil
+}
+
+func (hd *heldDigests) init() {
+	if hd.hashing == nil {
+		hd.hashing, hd.sendLater, hd.ready, hd.sent = map[string]bool{}, map[string]bool{}, map[string]*DigestOut{}, map[string]bool{}
+	}
+}
+
+// maxSentRemembered bounds the finished_sending ids a bidirectional
+// decode remembers (heldDigests.sent): far more than the holds that end
+// within the step or two before their digests are asked for.
+const maxSentRemembered = 1 << 12
+
+// heldSendingLocked takes out of a poll's finished_sending the holds whose
+// blocks are still being hashed: reported when the hashing ends. A
+// bidirectional decode that digests its holds remembers the ids it reports.
+func (w *Worker) heldSendingLocked(ids []string) []string {
+	hd := &w.heldDigest
+	if len(hd.hashing) > 0 {
+		keep := ids[:0]
+		for _, id := range ids {
+			if hd.hashing[id] {
+				hd.sendLater[id] = true
+				continue
+			}
+			keep = append(keep, id)
+		}
+		ids = keep
+	}
+	if len(ids) > 0 && w.cfg.BidirectionalKVXfer && w.cfg.KVDigest != KVDigestOff {
+		hd.init()
+		for _, id := range ids {
+			if hd.sent[id] {
+				continue
+			}
+			if len(hd.sentOrder) >= maxSentRemembered {
+				delete(hd.sent, hd.sentOrder[0])
+				hd.sentOrder = hd.sentOrder[1:]
+			}
+			hd.sent[id] = true
+			hd.sentOrder = append(hd.sentOrder, id)
+		}
+	}
+	return ids
+}
+
+// TakeHeldDigests returns the digests KVDigestsHeld finished since the
+// last call, by request id (a JSON object of DigestOut; null: not
+// digested, served as none).
+func (w *Worker) TakeHeldDigests() ([]byte, error) {
+	defer w.lockTimed("take held digests")()
+	hd := &w.heldDigest
+	out := maps.Clone(hd.ready)
+	clear(hd.ready)
+	if out == nil {
+		out = map[string]*DigestOut{}
+	}
+	return json.Marshal(out)
 }

@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -77,7 +79,17 @@ func (r *readbackRun) hold(t *testing.T, id string, blocks []int64, tokens int64
 func (r *readbackRun) digest(t *testing.T, id string, blocks []int64, tokens int64) {
 	t.Helper()
 	in, _ := json.Marshal([]DigestReq{{ID: id, Tokens: tokens, Blocks: BlockIDs{blocks}}})
-	raw, err := r.d.work.KVDigests(in)
+	if err := r.d.work.KVDigestsHeld(in); err != nil {
+		t.Fatal(err)
+	}
+	r.d.waitFinished(t, "held digests of "+id, func(f Finished) bool { return f.DigestsPending })
+	r.serve(t, id, tokens, r.takeHeld(t))
+}
+
+// takeHeld takes the decode worker's finished held digests.
+func (r *readbackRun) takeHeld(t *testing.T) map[string]DigestOut {
+	t.Helper()
+	raw, err := r.d.work.TakeHeldDigests()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,7 +97,17 @@ func (r *readbackRun) digest(t *testing.T, id string, blocks []int64, tokens int
 	if err := json.Unmarshal(raw, &got); err != nil {
 		t.Fatal(err)
 	}
-	d := got[id]
+	return got
+}
+
+// serve hands id's digests to the decode's scheduler (what the Python
+// connector does with the step's worker metadata).
+func (r *readbackRun) serve(t *testing.T, id string, tokens int64, got map[string]DigestOut) {
+	t.Helper()
+	d, ok := got[id]
+	if !ok {
+		t.Fatalf("no digests of %s in %v", id, got)
+	}
 	kd := kvwire.KVDigest{Alg: kvwire.KVDigestAlg, Tokens: tokens, First: []int64{0}, Ranks: []kvwire.RankDigest{{Blocks: d.Blocks, Regions: d.Regions}}}
 	b, _ := json.Marshal(map[string]any{id: kd})
 	if err := r.d.sched.SetKVDigests(b); err != nil {
@@ -165,6 +187,180 @@ func TestReadbackKVDigestChecked(t *testing.T) {
 	}
 	if got := r.count(t, "gonixl_kv_digest_checked_blocks_total"); got != "7" {
 		t.Fatalf("checked blocks %s, want 7 (3 + 3 + 1)", got)
+	}
+}
+
+// A decode hashes its read-back holds off vLLM's thread: KVDigestsHeld
+// returns while the hashing runs, the hold's finished_sending waits for it
+// (the reader's READ, and its notification, may come first: the blocks are
+// still being read by the hash), and the digests, taken once get_finished
+// says they are pending, are those the synchronous call takes.
+func TestReadbackHeldDigestsOffTheThread(t *testing.T) {
+	r := newReadbackRun(t, KVDigestFail, true)
+	const tokens = 3*tBlockSize - 1
+	blocks := []int64{7, 8, 9}
+	// d-1 ran in one of the decode's batches: its worker takes the reader's
+	// notification as the end of the hold.
+	if _, err := r.d.sched.UpdateStateAfterAlloc("d-1", mustParams(t, `{"do_remote_decode": true, "_remote_blocks_processed": true}`), nil, []int64{0}, 0); err != nil {
+		t.Fatal(err)
+	}
+	r.d.step(t)
+	out := r.hold(t, "d-1", blocks, tokens)
+	in, _ := json.Marshal([]DigestReq{{ID: "d-1", Tokens: tokens, Blocks: BlockIDs{blocks}}})
+	want, err := r.d.work.KVDigests(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gate := make(chan struct{})
+	var hashing sync.WaitGroup
+	hashing.Add(1)
+	w := r.d.work
+	w.mu.Lock()
+	w.heldDigest.hook = func([]DigestReq) { hashing.Done(); <-gate }
+	w.mu.Unlock()
+	if err := w.KVDigestsHeld(in); err != nil {
+		t.Fatal(err)
+	}
+	hashing.Wait()
+	defer func() {
+		select {
+		case <-gate:
+		default:
+			close(gate)
+		}
+	}()
+	// The next turn's prefill reads the blocks; its notification reaches
+	// the decode while the hash still runs.
+	pp := mustParams(t, string(out))
+	n, _ := r.p.sched.GetNumNewMatchedTokens(pp, tokens+5, 0)
+	if _, err := r.p.sched.UpdateStateAfterAlloc("p-1", pp, BlockIDs{{3, 4, 5}}, []int64{0}, n); err != nil {
+		t.Fatal(err)
+	}
+	r.p.step(t)
+	r.d.waitFinished(t, "the reader's notification", func(f Finished) bool {
+		r.p.finished(t)
+		if contains(f.Sending, "d-1") {
+			t.Fatalf("finished_sending reported while the held blocks are being hashed: %+v", f)
+		}
+		if f.DigestsPending {
+			t.Fatal("digests pending before the hashing ended")
+		}
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return w.heldDigest.sendLater["d-1"]
+	})
+	for i := 0; i < 20; i++ {
+		if f := r.d.finished(t); contains(f.Sending, "d-1") {
+			t.Fatalf("finished_sending reported while the held blocks are being hashed (poll %d)", i)
+		}
+	}
+	close(gate)
+	f := r.d.waitFinished(t, "the hashing's end", func(f Finished) bool { return contains(f.Sending, "d-1") && f.DigestsPending })
+	if len(f.Sending) != 1 {
+		t.Fatalf("sending %v, want d-1 once", f.Sending)
+	}
+	got := r.takeHeld(t)
+	if b, _ := json.Marshal(got); string(b) != string(want) {
+		t.Fatalf("held digests %s, want %s", b, want)
+	}
+	if again := r.takeHeld(t); len(again) != 0 {
+		t.Fatalf("digests taken twice: %v", again)
+	}
+	r.serve(t, "d-1", tokens, got)
+	if f := r.p.waitFinished(t, "p-1", func(f Finished) bool { return contains(f.Recving, "p-1") }); contains(f.Failed, "p-1") {
+		t.Fatalf("read-back failed: %v", r.logs.All())
+	}
+	if got := r.count(t, "gonixl_kv_digest_checked_blocks_total"); got != "3" {
+		t.Fatalf("checked blocks %s, want 3", got)
+	}
+}
+
+// Under async scheduling a hold can end (its reader's notification
+// reported in finished_sending, after which vLLM may reuse the blocks)
+// before the step that asks for its digests: those blocks are not hashed,
+// the digests are ready as none at once, and the reader reads unchecked —
+// never a hash of reused blocks, which would fail a good READ.
+func TestReadbackHoldEndedBeforeItsDigests(t *testing.T) {
+	r := newReadbackRun(t, KVDigestFail, true)
+	const tokens = 2 * tBlockSize
+	if _, err := r.d.sched.UpdateStateAfterAlloc("d-1", mustParams(t, `{"do_remote_decode": true, "_remote_blocks_processed": true}`), nil, []int64{0}, 0); err != nil {
+		t.Fatal(err)
+	}
+	r.d.step(t)
+	out := r.hold(t, "d-1", []int64{7, 8}, tokens)
+	pp := mustParams(t, string(out))
+	n, _ := r.p.sched.GetNumNewMatchedTokens(pp, tokens+5, 0)
+	if _, err := r.p.sched.UpdateStateAfterAlloc("p-1", pp, BlockIDs{{3, 4}}, []int64{0}, n); err != nil {
+		t.Fatal(err)
+	}
+	r.p.step(t)
+	r.d.waitFinished(t, "d-1's hold ended", func(f Finished) bool {
+		r.p.finished(t)
+		return contains(f.Sending, "d-1")
+	})
+	var hashed atomic.Bool
+	w := r.d.work
+	w.mu.Lock()
+	w.heldDigest.hook = func([]DigestReq) { hashed.Store(true) }
+	w.mu.Unlock()
+	in, _ := json.Marshal([]DigestReq{{ID: "d-1", Tokens: tokens, Blocks: BlockIDs{{7, 8}}}})
+	if err := w.KVDigestsHeld(in); err != nil {
+		t.Fatal(err)
+	}
+	if f := r.d.finished(t); !f.DigestsPending {
+		t.Fatalf("no digests pending after the ask: %+v", f)
+	}
+	raw, err := w.TakeHeldDigests()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(raw) != `{"d-1":null}` || hashed.Load() {
+		t.Fatalf("held digests %s (hashed %v), want d-1 as none without hashing", raw, hashed.Load())
+	}
+	if err := r.d.sched.SetKVDigests([]byte(`{"d-1": null}`)); err != nil {
+		t.Fatal(err)
+	}
+	if f := r.p.waitFinished(t, "p-1", func(f Finished) bool { return contains(f.Recving, "p-1") }); contains(f.Failed, "p-1") {
+		t.Fatalf("read-back failed: %v", r.logs.All())
+	}
+	if got := r.count(t, "gonixl_kv_digest_unchecked_total"); got != "1" {
+		t.Fatalf("unchecked %s, want 1", got)
+	}
+}
+
+// Close waits for a held hashing (it reads memory the caller frees after
+// Close) and reports nothing after it.
+func TestReadbackHeldDigestsCloseWaits(t *testing.T) {
+	r := newReadbackRun(t, KVDigestFail, true)
+	r.hold(t, "d-1", []int64{7, 8}, 2*tBlockSize)
+	in, _ := json.Marshal([]DigestReq{{ID: "d-1", Tokens: 2 * tBlockSize, Blocks: BlockIDs{{7, 8}}}})
+	gate := make(chan struct{})
+	var hashed atomic.Bool
+	w := r.d.work
+	w.mu.Lock()
+	w.heldDigest.hook = func([]DigestReq) { <-gate; time.Sleep(20 * time.Millisecond); hashed.Store(true) }
+	w.mu.Unlock()
+	if err := w.KVDigestsHeld(in); err != nil {
+		t.Fatal(err)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- w.Close() }()
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned while a held hashing ran (err %v)", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(gate)
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return after the hashing ended")
+	}
+	if !hashed.Load() {
+		t.Fatal("Close returned before the hashing ended")
+	}
+	if err := w.KVDigestsHeld(in); err == nil {
+		t.Fatal("a closed worker started hashing")
 	}
 }
 

@@ -209,6 +209,8 @@ func (sd *side) waitFinished(t *testing.T, what string, pred func(Finished) bool
 		all.Sending = append(all.Sending, f.Sending...)
 		all.Recving = append(all.Recving, f.Recving...)
 		all.Failed = append(all.Failed, f.Failed...)
+		all.DigestsPending = all.DigestsPending || f.DigestsPending
+		all.PushArrivalsPending = all.PushArrivalsPending || f.PushArrivalsPending
 		for id, r := range f.Reshape {
 			if all.Reshape == nil {
 				all.Reshape = map[string][]BlockReshape{}

@@ -76,6 +76,7 @@ type Worker struct {
 	noted        map[string]bool         // log lines printed once (noteOnce)
 	kvFaults     bool                    // EnvKVFault: test fault injection (kvfault.go)
 	checks       sync.WaitGroup          // KV digest checks hashing off the lock (kvdigest.go)
+	heldDigest   heldDigests             // a decode's read-back holds being hashed (kvdigest_readback.go)
 	// fetches: a read-back's digest fetches (kvdigest_readback.go), ended
 	// by Close before it waits for the checks that wait for them.
 	fetches        context.Context
@@ -401,6 +402,8 @@ func (w *Worker) Poll() Finished {
 	}
 	f := w.done
 	w.done = Finished{}
+	f.Sending = w.heldSendingLocked(f.Sending)
+	f.DigestsPending = len(w.heldDigest.ready) > 0
 	f.LoadErrorsPending = len(w.invalid) > 0
 	f.StatsPending = w.stats.Pending()
 	f.PushArrivalsPending = len(w.push.arrived) > 0

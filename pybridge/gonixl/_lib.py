@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from . import errors
 
 #: Must equal GONIXL_ABI_VERSION in include/gonixl.h.
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 ERROR_MESSAGE_SIZE = 512
 
@@ -159,6 +159,12 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     # gonixl_status_t gonixl_worker_kv_digest(gonixl_worker_t h, char *reqs_json, size_t reqs_len,
     #     char *buf, size_t *len, gonixl_error_t *err);
     ("gonixl_worker_kv_digest", status_t, [handle_t, buf, size, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_worker_kv_digest_held(gonixl_worker_t h, char *reqs_json,
+    #     size_t reqs_len, gonixl_error_t *err);
+    ("gonixl_worker_kv_digest_held", status_t, [handle_t, buf, size, error_p]),
+    # gonixl_status_t gonixl_worker_kv_digests_ready(gonixl_worker_t h, char *buf, size_t *len,
+    #     gonixl_error_t *err);
+    ("gonixl_worker_kv_digests_ready", status_t, [handle_t, buf, size_p, error_p]),
     # gonixl_status_t gonixl_worker_stats(gonixl_worker_t h, char *buf, size_t *len,
     #     gonixl_error_t *err);
     ("gonixl_worker_stats", status_t, [handle_t, buf, size_p, error_p]),

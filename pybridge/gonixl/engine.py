@@ -97,6 +97,7 @@ class Finished(NamedTuple):
     load_errors_pending: bool
     stats_pending: bool
     push_arrivals_pending: bool = False
+    digests_pending: bool = False
 
 
 _HEAD = struct.Struct("<6I")
@@ -106,6 +107,7 @@ FINISHED_VERSION = 1
 FINISHED_LOAD_ERRORS_PENDING = 1
 FINISHED_STATS_PENDING = 2
 FINISHED_PUSH_ARRIVALS_PENDING = 4
+FINISHED_DIGESTS_PENDING = 8
 
 
 def decode_finished(b: bytes) -> Finished:
@@ -122,6 +124,7 @@ def decode_finished(b: bytes) -> Finished:
             bool(flags & FINISHED_LOAD_ERRORS_PENDING),
             bool(flags & FINISHED_STATS_PENDING),
             bool(flags & FINISHED_PUSH_ARRIVALS_PENDING),
+            bool(flags & FINISHED_DIGESTS_PENDING),
         )
     off = _HEAD.size
     lists: list[set[str]] = []
@@ -156,6 +159,7 @@ def decode_finished(b: bytes) -> Finished:
         bool(flags & FINISHED_LOAD_ERRORS_PENDING),
         bool(flags & FINISHED_STATS_PENDING),
         bool(flags & FINISHED_PUSH_ARRIVALS_PENDING),
+        bool(flags & FINISHED_DIGESTS_PENDING),
     )
 
 
@@ -406,6 +410,19 @@ class Worker:
         j = json.dumps(reqs).encode()
         return json.loads(_lib.call_bytes("gonixl_worker_kv_digest", self.handle, j, len(j), initial=4096 + 24 * sum(
             len(g) for r in reqs for g in r["blocks"])))
+
+    def kv_digest_held(self, reqs: Sequence[Mapping[str, Any]]) -> None:
+        """Starts hashing a bidirectional decode's read-back holds (reqs as
+        for kv_digest) off this thread; their finished_sending waits for it,
+        and get_finished's digests_pending says when kv_digests_ready has
+        them."""
+        j = json.dumps(reqs).encode()
+        _lib.call("gonixl_worker_kv_digest_held", self.handle, j, len(j))
+
+    def kv_digests_ready(self) -> dict[str, Any]:
+        """The digests kv_digest_held finished since the last call, by
+        request id (kv_digest's answer form)."""
+        return json.loads(_lib.call_bytes("gonixl_worker_kv_digests_ready", self.handle, initial=4096))
 
     def load_errors(self) -> list[int]:
         return json.loads(_lib.call_bytes("gonixl_worker_load_errors", self.handle, initial=64))

@@ -583,10 +583,12 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._digest_waiting: dict[str, dict[str, Any]] = {}  # params of this step's finished requests
         self._digest_early: dict[str, dict[int, Any]] = {}  # digests that came before their request_finished
         self._digests: dict[str, dict[int, Any]] = {}
-        # Read-back holds to digest in the next step, and those asked for
-        # whose digests have not come (params, when asked).
+        # Read-back holds to digest in the next step, those asked for whose
+        # digests have not all come (params, when asked), and the ranks'
+        # digests come so far.
         self._readback_due: dict[str, tuple[int, list[list[int]], dict[str, Any]]] = {}
         self._readback_asked: dict[str, tuple[dict[str, Any], float]] = {}
+        self._readback_got: dict[str, dict[int, Any]] = {}
         self._rank = 0  # the worker's tp rank, from register_kv_caches
         # The next step's metadata carries preemptions for the workers.
         self._fence_next = False
@@ -906,7 +908,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         for rid, (tokens, groups, params) in self._readback_due.items():
             self._digest_sent[rid] = (tokens, groups)
             self._readback_asked[rid] = (params, now)
-            out.append({"id": rid, "tokens": tokens, "blocks": groups})
+            out.append({"id": rid, "tokens": tokens, "blocks": groups, "held": True})
         self._readback_due.clear()
         return out
 
@@ -1048,6 +1050,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         whose digests did not come in its finishing step is read unchecked."""
         if isinstance(meta, GoNixlWorkerMeta):
             for rid, ranks in meta.digests.items():
+                if rid in self._readback_asked:
+                    continue  # a read-back's, whose other ranks are to come (_serve_digests)
                 params = self._digest_waiting.pop(rid, None)
                 if params is not None:
                     self._attach_digest(rid, params, ranks)
@@ -1065,15 +1069,29 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         served: dict[str, Any] = {}
         if isinstance(meta, GoNixlWorkerMeta):
             for rid, ranks in meta.digests.items():
-                asked = self._readback_asked.pop(rid, None)
+                asked = self._readback_asked.get(rid)
                 if asked is None:
                     continue
+                # Each rank hashes on its own goroutine: their digests may
+                # come in different steps.
+                got = self._readback_got.setdefault(rid, {})
+                got.update(ranks)
+                if len(got) < int(asked[0].get("tp_size") or 1):
+                    continue
+                del self._readback_asked[rid], self._readback_got[rid]
+                if any(d is None for d in got.values()):
+                    # A rank's hold ended before it could hash (its reader
+                    # was quicker than the step that asked): read unchecked.
+                    self._digest_sent.pop(rid, None)
+                    served[rid] = None
+                    continue
                 params = {k: asked[0].get(k) for k in ("remote_block_ids", "tp_size")}
-                self._attach_digest(rid, params, ranks)
+                self._attach_digest(rid, params, got)
                 served[rid] = params.get(KV_DIGEST_KEY)
         now = time.monotonic()
         for rid in [r for r, (_, t) in self._readback_asked.items() if now - t > _READBACK_DIGEST_WAIT]:
             del self._readback_asked[rid]
+            self._readback_got.pop(rid, None)
             self._digest_sent.pop(rid, None)
             served[rid] = None
         if served:
@@ -1347,19 +1365,25 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if isinstance(meta, GoNixlConnectorMetadata) and meta.digest:
             # After the forward that completed these prompts (and host
-            # staging's save, which waits for its copies): their KV is final;
-            # digested before the step's outputs, and so the params, leave.
+            # staging's save, which waits for its copies): their KV is final.
+            # A prefill's are digested here, before the step's outputs, and
+            # so the params, leave; a decode's read-back holds on a
+            # goroutine (their digests are served later; the holds'
+            # finished_sending waits for the hashing).
+            prompts = [d for d in meta.digest if not d.get("held")]
+            held = [d for d in meta.digest if d.get("held")]
+            got: dict[str, Any] = {}
             try:
-                got = self._work().kv_digest(meta.digest)
+                if held:
+                    self._work().kv_digest_held(held)
+                if prompts:
+                    got = self._work().kv_digest(prompts)
             except errors.GoNixlError as e:
                 # Never vLLM's forward's failure: the requests go unchecked.
-                got = {}
                 if not self._warned_digest:
                     self._warned_digest = True
                     logger.warning("GoNixlConnector: KV digests failed (%s); these requests are read unchecked (logged once)", e)
-            rank = self._rank
-            for rid, d in got.items():
-                self._digests[rid] = {rank: d}
+            self._add_digests(got)
         if self._kv_on_cuda:
             meta = self._connector_metadata
             if isinstance(meta, GoNixlConnectorMetadata) and meta.push_early:
@@ -1381,6 +1405,8 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats_pending = r.stats_pending
         if r.push_arrivals_pending:
             self._arrived.extend(self._work().push_arrivals())
+        if r.digests_pending:
+            self._add_digests(self._work().kv_digests_ready())
         if self._host is not None:
             for req in r.failed_recving:
                 self._recv_blocks.pop(req, None)
@@ -1395,6 +1421,13 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(
             finished_sending=r.finished_sending, finished_recving=r.finished_recving, failed_recving=r.failed_recving
         )
+
+    def _add_digests(self, got: dict[str, Any]) -> None:
+        """This rank's digests, by request id, for the step's worker
+        metadata."""
+        rank = self._rank
+        for rid, d in got.items():
+            self._digests[rid] = {rank: d}
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         r = self.get_transfer_results(finished_req_ids)

@@ -25,6 +25,9 @@ type Finished struct {
 	// PushArrivalsPending says whether PushArrivals has something to
 	// return (push mode, a prefill: decode registrations that arrived).
 	PushArrivalsPending bool `json:"push_arrivals_pending,omitempty"`
+	// DigestsPending says whether the digests of held blocks taken off
+	// vLLM's thread are ready (a bidirectional decode's read-back holds).
+	DigestsPending bool `json:"digests_pending,omitempty"`
 }
 
 // BlockReshape is one request's blocks of one KV-cache group read at a
@@ -46,6 +49,7 @@ const (
 	FinishedLoadErrorsPending   = 1 << 0
 	FinishedStatsPending        = 1 << 1
 	FinishedPushArrivalsPending = 1 << 2
+	FinishedDigestsPending      = 1 << 3
 )
 
 // Empty reports whether f carries no request.
@@ -75,6 +79,9 @@ func AppendFinished(dst []byte, f *Finished) []byte {
 	}
 	if f.PushArrivalsPending {
 		flags |= FinishedPushArrivalsPending
+	}
+	if f.DigestsPending {
+		flags |= FinishedDigestsPending
 	}
 	dst = le.AppendUint32(dst, FinishedVersion)
 	dst = le.AppendUint32(dst, flags)
@@ -163,14 +170,14 @@ func DecodeFinished(b []byte) (*Finished, error) {
 	if head[0] != FinishedVersion {
 		return nil, fmt.Errorf("finished: version %d, want %d", head[0], FinishedVersion)
 	}
-	if head[1]&^(FinishedLoadErrorsPending|FinishedStatsPending|FinishedPushArrivalsPending) != 0 {
+	if head[1]&^(FinishedLoadErrorsPending|FinishedStatsPending|FinishedPushArrivalsPending|FinishedDigestsPending) != 0 {
 		return nil, fmt.Errorf("finished: unknown flags %#x", head[1])
 	}
 	if uint64(head[2])+uint64(head[3])+uint64(head[4])+uint64(head[5]) > uint64(len(b)-off)/4 {
 		return nil, errFinishedShort
 	}
 	f := &Finished{LoadErrorsPending: head[1]&FinishedLoadErrorsPending != 0, StatsPending: head[1]&FinishedStatsPending != 0,
-		PushArrivalsPending: head[1]&FinishedPushArrivalsPending != 0}
+		PushArrivalsPending: head[1]&FinishedPushArrivalsPending != 0, DigestsPending: head[1]&FinishedDigestsPending != 0}
 	for i, dst := range []*[]string{&f.Sending, &f.Recving, &f.Failed} {
 		*dst = make([]string, 0, head[2+i])
 		for range head[2+i] {

@@ -10,6 +10,7 @@ func TestFinishedRoundTrip(t *testing.T) {
 	for _, f := range []*Finished{
 		{Sending: []string{}, Recving: []string{}, Failed: []string{}},
 		{Sending: []string{"a", "b:c"}, Recving: []string{"é-1"}, Failed: []string{""}, LoadErrorsPending: true},
+		{Sending: []string{}, Recving: []string{}, Failed: []string{}, PushArrivalsPending: true, DigestsPending: true},
 		{Sending: []string{}, Recving: []string{"r"}, Failed: []string{}, StatsPending: true,
 			Reshape: map[string][]BlockReshape{"r": {{Ratio: 2, Blocks: []int64{5, 1 << 40}, Covered: 3}, {Ratio: 4, Blocks: []int64{}, Covered: 0}}}},
 	} {
