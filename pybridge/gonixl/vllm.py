@@ -465,6 +465,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         # consumers): on a device, its loads wait for the device first.
         self._sync_before_load = bidirectional and ktc.kv_role != "kv_consumer"
         self._need_save: dict[str, "Request"] = {}
+        self._save_tails: dict[str, list[int]] = {}  # each group's last block saved so far (_staging_saves)
         self._stage_recv: dict[str, list[int]] = {}
         self._host: Optional[HostStaging] = None
         self._recv_blocks: dict[str, list[int]] = {}
@@ -995,21 +996,38 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         preempted, self._fence_next = self._fence_next and bool(data), False
         if not self._staging:
             return GoNixlConnectorMetadata(data, push_early=push_early, preempted=preempted, digest=digest)
-        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
-
-        # As vLLM's _build_save_meta: a prefill for a remote decode saves
-        # the blocks each step computes, until its prompt is done.
-        save: dict[str, list[int]] = {}
-        for req_id, new_groups, _ in yield_req_data(scheduler_output):
-            req = self._need_save.get(req_id)
-            if req is None or new_groups is None:
-                continue
-            save[req_id] = [b for g in new_groups for b in g]
-            scheduled = (scheduler_output.num_scheduled_tokens or {}).get(req_id, 0)
-            if req.num_computed_tokens + scheduled >= req.num_prompt_tokens:
-                del self._need_save[req_id]
+        save = self._staging_saves(scheduler_output)
         recv, self._stage_recv = self._stage_recv, {}
         return GoNixlConnectorMetadata(data, save=save, recv=recv, preempted=preempted, digest=digest)
+
+    def _staging_saves(self, scheduler_output: "SchedulerOutput") -> dict[str, list[int]]:
+        """Host staging, a prefill for a remote decode: the blocks each step
+        writes, to copy into the host mirror after its forward, until the
+        prompt is done. A step writes into its new blocks and, when the last
+        chunk ended inside a block, into that block too — which is not new
+        (vLLM's new_block_ids; a chunk that fits in it has none): each
+        group's last block so far is saved again, or the mirror keeps that
+        block's tail from before the chunk and a decode reads stale KV."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+
+        save: dict[str, list[int]] = {}
+        scheduled_tokens = scheduler_output.num_scheduled_tokens or {}
+        for req_id, new_groups, resumed in yield_req_data(scheduler_output):
+            req = self._need_save.get(req_id)
+            if req is None:
+                continue
+            tails = [] if resumed else self._save_tails.get(req_id, [])  # a resumed request's blocks are all new
+            blocks = [b for b in tails if b >= 0]
+            if new_groups is not None:
+                blocks += [b for g in new_groups for b in g]
+                last = [g[-1] if g else (tails[i] if i < len(tails) else -1) for i, g in enumerate(new_groups)]
+                self._save_tails[req_id] = last
+            if blocks:
+                save[req_id] = list(dict.fromkeys(blocks))
+            if req.num_computed_tokens + scheduled_tokens.get(req_id, 0) >= req.num_prompt_tokens:
+                del self._need_save[req_id]
+                self._save_tails.pop(req_id, None)
+        return save
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         if self._readback_asked:
@@ -1156,6 +1174,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, Optional[dict[str, Any]]]:
         self._need_save.pop(request.request_id, None)
+        self._save_tails.pop(request.request_id, None)
         self._digest_watch.pop(request.request_id, None)
         self._push_early.pop(request.request_id, None)
         self._push_early_seen.discard(request.request_id)
