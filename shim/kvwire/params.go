@@ -35,8 +35,6 @@ func (b BlockIDs) Count() int {
 // send them. Presence matters as much as value (vLLM checks "key in
 // params"), so every optional field records whether it was present.
 type TransferParams struct {
-	raw map[string]json.RawMessage
-
 	DoRemotePrefill bool
 	DoRemoteDecode  bool
 
@@ -123,7 +121,7 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 	if len(raw) == 0 {
 		return nil, nil
 	}
-	p := &TransferParams{raw: raw, TPSize: 1, DCPSize: 1, PPSize: 1}
+	p := &TransferParams{TPSize: 1, DCPSize: 1, PPSize: 1}
 	if p.DoRemotePrefill, _, err = getBool(raw, "do_remote_prefill"); err != nil {
 		return nil, err
 	}
