@@ -231,7 +231,7 @@ func (w *Worker) fetchDigestLocked(st *recvState) (<-chan fetchedDigest, context
 //	KVDigestsHeld                          hashing[id]; a goroutine hashes
 //	the hold ends (reader's notification,  finished_sending held back
 //	  lease) while hashing[id]               (sendLater[id])
-//	the goroutine ends                     ready[id] (none on a panic);
+//	the goroutine ends                     ready[id] (null: none, on a panic);
 //	                                         sendLater[id] reported; change
 //	                                         counter bumped
 //	TakeHeldDigests (get_finished said     ready handed to the scheduler
@@ -246,7 +246,7 @@ func (w *Worker) fetchDigestLocked(st *recvState) (<-chan fetchedDigest, context
 // as none (null), so the reader reads unchecked at once instead of failing
 // on a hash of reused blocks.
 type heldDigests struct {
-	hashing   map[string]bool
+	hashing   map[string]int // goroutines hashing the request's hold
 	sendLater map[string]bool
 	ready     map[string]*DigestOut // nil: none
 	sent      map[string]bool
@@ -280,7 +280,7 @@ func (w *Worker) KVDigestsHeld(in []byte) error {
 			}
 			continue
 		}
-		hd.hashing[r.ID] = true
+		hd.hashing[r.ID]++
 		todo = append(todo, r)
 	}
 	if len(todo) == 0 {
@@ -298,9 +298,15 @@ func (w *Worker) KVDigestsHeld(in []byte) error {
 		defer w.mu.Unlock()
 		defer w.publishLocked(true)
 		for _, r := range reqs {
+			if hd.hashing[r.ID]--; hd.hashing[r.ID] > 0 {
+				continue // listed twice (a request id reused): the other hashing reports
+			}
 			delete(hd.hashing, r.ID)
-			if d, ok := out[r.ID]; ok && !w.closed {
-				hd.ready[r.ID] = &d
+			if !w.closed {
+				hd.ready[r.ID] = nil // not digested (a panic): served as none at once
+				if d, ok := out[r.ID]; ok {
+					hd.ready[r.ID] = &d
+				}
 			}
 			if hd.sendLater[r.ID] {
 				delete(hd.sendLater, r.ID)
@@ -308,7 +314,8 @@ func (w *Worker) KVDigestsHeld(in []byte) error {
 			}
 		}
 	}
-	w.goSafe("kv digests of held blocks", func(error) { finish(); done() }, func() {
+	var finished sync.Once // a panic after finish began must not end the holds twice
+	w.goSafe("kv digests of held blocks", func(error) { finished.Do(finish); done() }, func() {
 		defer done()
 		if hook != nil {
 			hook(reqs)
@@ -318,14 +325,14 @@ func (w *Worker) KVDigestsHeld(in []byte) error {
 				out[r.ID] = d
 			}
 		}
-		finish()
+		finished.Do(finish)
 	})
 	return nil
 }
 
 func (hd *heldDigests) init() {
 	if hd.hashing == nil {
-		hd.hashing, hd.sendLater, hd.ready, hd.sent = map[string]bool{}, map[string]bool{}, map[string]*DigestOut{}, map[string]bool{}
+		hd.hashing, hd.sendLater, hd.ready, hd.sent = map[string]int{}, map[string]bool{}, map[string]*DigestOut{}, map[string]bool{}
 	}
 }
 
@@ -342,7 +349,7 @@ func (w *Worker) heldSendingLocked(ids []string) []string {
 	if len(hd.hashing) > 0 {
 		keep := ids[:0]
 		for _, id := range ids {
-			if hd.hashing[id] {
+			if hd.hashing[id] > 0 {
 				hd.sendLater[id] = true
 				continue
 			}

@@ -328,6 +328,37 @@ func TestReadbackHoldEndedBeforeItsDigests(t *testing.T) {
 	}
 }
 
+// A held hashing that panics still ends: the hold's finished_sending is
+// reported and its digests are ready as none (the reader reads unchecked
+// at once instead of waiting for digests that will not come).
+func TestReadbackHeldDigestsPanic(t *testing.T) {
+	r := newReadbackRun(t, KVDigestFail, true)
+	if _, err := r.d.sched.UpdateStateAfterAlloc("d-1", mustParams(t, `{"do_remote_decode": true, "_remote_blocks_processed": true}`), nil, []int64{0}, 0); err != nil {
+		t.Fatal(err)
+	}
+	r.d.step(t)
+	r.hold(t, "d-1", []int64{7, 8}, 2*tBlockSize)
+	w := r.d.work
+	w.mu.Lock()
+	w.heldDigest.hook = func([]DigestReq) { panic("injected") }
+	w.mu.Unlock()
+	in, _ := json.Marshal([]DigestReq{{ID: "d-1", Tokens: 2 * tBlockSize, Blocks: BlockIDs{{7, 8}}}})
+	if err := w.KVDigestsHeld(in); err != nil {
+		t.Fatal(err)
+	}
+	r.d.waitFinished(t, "digests after the panic", func(f Finished) bool { return f.DigestsPending })
+	raw, err := w.TakeHeldDigests()
+	if err != nil || string(raw) != `{"d-1":null}` {
+		t.Fatalf("held digests %s (%v), want d-1 as none", raw, err)
+	}
+	w.mu.Lock()
+	left := len(w.heldDigest.hashing)
+	w.mu.Unlock()
+	if left != 0 {
+		t.Fatalf("%d holds still hashing after the panic", left)
+	}
+}
+
 // Close waits for a held hashing (it reads memory the caller frees after
 // Close) and reports nothing after it.
 func TestReadbackHeldDigestsCloseWaits(t *testing.T) {
