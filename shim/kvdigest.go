@@ -133,6 +133,11 @@ var errDigestLayout = errors.New("the token order inside a block of this KV-cach
 // checked); the caller has checked ids against the layout. ok is false
 // when a hashing goroutine panicked: nothing of the result may be used.
 func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blocks, regions []uint64, ok bool) {
+	return w.digestBlocksPar(g, ids, tokens, maxDigestThreads)
+}
+
+// digestBlocksPar is digestBlocks on at most maxPar goroutines.
+func (w *Worker) digestBlocksPar(g int, ids []int64, tokens func(j int) int64, maxPar int) (blocks, regions []uint64, ok bool) {
 	regs := w.groupRegions(g)
 	blocks = make([]uint64, len(ids))
 	regions = make([]uint64, len(regs))
@@ -143,7 +148,7 @@ func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blo
 	for _, ri := range regs {
 		bytes += w.layout.Regions[ri].Len
 	}
-	par := min(runtime.GOMAXPROCS(0), maxDigestThreads, len(ids))
+	par := min(runtime.GOMAXPROCS(0), maxPar, len(ids))
 	if bytes*uint64(len(ids)) < digestParallelBytes {
 		par = 1
 	}
@@ -164,6 +169,10 @@ func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blo
 			w.digestRange(regs, ids[lo:hi], lo, tokens, blocks[lo:hi], sums[p])
 		})
 	}
+	// A panic in the caller's share must not leave before the other
+	// shares stop reading the blocks (the caller's recovery may give them
+	// back).
+	defer wg.Wait()
 	w.digestRange(regs, ids[:len(ids)/par], 0, tokens, blocks[:len(ids)/par], sums[0])
 	wg.Wait()
 	for _, s := range sums {
@@ -262,7 +271,7 @@ func (w *Worker) KVDigests(in []byte) ([]byte, error) {
 	}
 	out := make(map[string]DigestOut, len(reqs))
 	for _, r := range reqs {
-		if d, ok := w.digestReq(r); ok {
+		if d, ok := w.digestReq(r, maxDigestThreads); ok {
 			out[r.ID] = d
 		} // else no digests: read unchecked (the panic is logged and counted)
 	}
@@ -300,16 +309,16 @@ func (w *Worker) digestReqsLocked(in []byte) ([]DigestReq, error) {
 	return reqs, nil
 }
 
-// digestReq hashes one request's blocks (checked by digestReqsLocked). It
-// reads only the registered layout and the blocks: no lock needed. False
-// when a hashing goroutine panicked.
-func (w *Worker) digestReq(r DigestReq) (DigestOut, bool) {
+// digestReq hashes one request's blocks (checked by digestReqsLocked) on
+// at most maxPar goroutines. It reads only the registered layout and the
+// blocks: no lock needed. False when a hashing goroutine panicked.
+func (w *Worker) digestReq(r DigestReq, maxPar int) (DigestOut, bool) {
 	d := DigestOut{Blocks: make([][]uint64, len(r.Blocks)), Regions: make([][]uint64, len(r.Blocks))}
 	ok := true
 	for g, ids := range r.Blocks {
 		n := r.Tokens
 		var gok bool
-		d.Blocks[g], d.Regions[g], gok = w.digestBlocks(g, ids, func(j int) int64 { return min(w.blockSize, n-int64(j)*w.blockSize) })
+		d.Blocks[g], d.Regions[g], gok = w.digestBlocksPar(g, ids, func(j int) int64 { return min(w.blockSize, n-int64(j)*w.blockSize) }, maxPar)
 		ok = ok && gok
 	}
 	return d, ok

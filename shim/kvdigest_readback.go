@@ -321,7 +321,9 @@ func (w *Worker) KVDigestsHeld(in []byte) error {
 			hook(reqs)
 		}
 		for _, r := range reqs {
-			if d, ok := w.digestReq(r); ok {
+			// One goroutine: nobody waits on it, and vLLM's forward (its
+			// threads on every core, on a CPU platform) runs meanwhile.
+			if d, ok := w.digestReq(r, 1); ok {
 				out[r.ID] = d
 			}
 		}
@@ -334,6 +336,12 @@ func (hd *heldDigests) init() {
 	if hd.hashing == nil {
 		hd.hashing, hd.sendLater, hd.ready, hd.sent = map[string]int{}, map[string]bool{}, map[string]*DigestOut{}, map[string]bool{}
 	}
+}
+
+// heldAgainLocked forgets that id's finished_sending was reported: a new
+// hold of it (a request id reused) is installed and will be hashed.
+func (hd *heldDigests) heldAgainLocked(id string) {
+	delete(hd.sent, id) // the ids stay in sentOrder until they age out; harmless
 }
 
 // maxSentRemembered bounds the finished_sending ids a bidirectional

@@ -326,6 +326,22 @@ func TestReadbackHoldEndedBeforeItsDigests(t *testing.T) {
 	if got := r.count(t, "gonixl_kv_digest_unchecked_total"); got != "1" {
 		t.Fatalf("unchecked %s, want 1", got)
 	}
+
+	// The id reused for a new hold (vLLM's id randomisation off): that
+	// hold is installed, so it is hashed, not served as none.
+	if _, err := r.d.sched.UpdateStateAfterAlloc("d-1", mustParams(t, `{"do_remote_decode": true, "_remote_blocks_processed": true}`), nil, []int64{0}, 0); err != nil {
+		t.Fatal(err)
+	}
+	r.d.step(t)
+	r.hold(t, "d-1", []int64{9, 10}, tokens)
+	in, _ = json.Marshal([]DigestReq{{ID: "d-1", Tokens: tokens, Blocks: BlockIDs{{9, 10}}}})
+	if err := w.KVDigestsHeld(in); err != nil {
+		t.Fatal(err)
+	}
+	r.d.waitFinished(t, "the new hold's digests", func(f Finished) bool { return f.DigestsPending })
+	if got := r.takeHeld(t); !hashed.Load() || len(got["d-1"].Blocks) != 1 || len(got["d-1"].Blocks[0]) != 2 {
+		t.Fatalf("a new hold of a reused id was not hashed (hashed %v): %v", hashed.Load(), got)
+	}
 }
 
 // A held hashing that panics still ends: the hold's finished_sending is

@@ -109,6 +109,7 @@ func (w *Worker) holdForReadersLocked(m *StepMeta) {
 			exp = max(exp, hb)
 		}
 		w.held.Hold(id, exp)
+		w.heldDigest.heldAgainLocked(id)
 	}
 }
 

@@ -60,6 +60,10 @@ const (
 
 var parsedParams paramsCache
 
+// paramsCost is what an entry holds: its key and, parsed, block ids and
+// digests at 8 bytes each, up to about twice the JSON that names them.
+func paramsCost(key string) int { return 3 * len(key) }
+
 func (c *paramsCache) get(data []byte) (*TransferParams, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -80,15 +84,15 @@ func (c *paramsCache) put(data []byte, p *TransferParams) {
 	if c.m == nil {
 		c.m = map[string]*TransferParams{}
 	}
-	for len(c.order) > 0 && (len(c.order) >= maxCachedParams || c.bytes+len(key) > maxCachedParamsBytes) {
+	for len(c.order) > 0 && (len(c.order) >= maxCachedParams || c.bytes+paramsCost(key) > maxCachedParamsBytes) {
 		old := c.order[0]
 		c.order = c.order[1:]
 		delete(c.m, old)
-		c.bytes -= len(old)
+		c.bytes -= paramsCost(old)
 	}
 	c.m[key] = p
 	c.order = append(c.order, key)
-	c.bytes += len(key)
+	c.bytes += paramsCost(key)
 }
 
 // DecodeStepMeta is kvwire.DecodeStepMeta.

@@ -1012,11 +1012,18 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
 
         save: dict[str, list[int]] = {}
         scheduled_tokens = scheduler_output.num_scheduled_tokens or {}
+        for rid in scheduler_output.preempted_req_ids or ():
+            self._save_tails.pop(rid, None)  # its blocks were freed: maybe another request's now
+        # A request scheduled as new has all its blocks listed: a fresh one,
+        # or one resumed after a preemption (vLLM's V2 model runner lists
+        # those among the new ones, with resumed False), whose old last
+        # block may belong to another request by now.
+        fresh = {r.req_id for r in scheduler_output.scheduled_new_reqs}
         for req_id, new_groups, resumed in yield_req_data(scheduler_output):
             req = self._need_save.get(req_id)
             if req is None:
                 continue
-            tails = [] if resumed else self._save_tails.get(req_id, [])  # a resumed request's blocks are all new
+            tails = [] if resumed or req_id in fresh else self._save_tails.get(req_id, [])
             blocks = [b for b in tails if b >= 0]
             if new_groups is not None:
                 blocks += [b for g in new_groups for b in g]
@@ -1391,18 +1398,18 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             # finished_sending waits for the hashing).
             prompts = [d for d in meta.digest if not d.get("held")]
             held = [d for d in meta.digest if d.get("held")]
-            got: dict[str, Any] = {}
-            try:
-                if held:
+            if held:
+                try:
                     self._work().kv_digest_held(held)
-                if prompts:
-                    got = self._work().kv_digest(prompts)
-            except errors.GoNixlError as e:
-                # Never vLLM's forward's failure: the requests go unchecked.
-                if not self._warned_digest:
-                    self._warned_digest = True
-                    logger.warning("GoNixlConnector: KV digests failed (%s); these requests are read unchecked (logged once)", e)
-            self._add_digests(got)
+                except errors.GoNixlError as e:
+                    # Served as not digested at once (the reader stops waiting).
+                    self._digest_failed(e)
+                    self._add_digests({d["id"]: None for d in held})
+            if prompts:
+                try:
+                    self._add_digests(self._work().kv_digest(prompts))
+                except errors.GoNixlError as e:
+                    self._digest_failed(e)
         if self._kv_on_cuda:
             meta = self._connector_metadata
             if isinstance(meta, GoNixlConnectorMetadata) and meta.push_early:
@@ -1440,6 +1447,12 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(
             finished_sending=r.finished_sending, finished_recving=r.finished_recving, failed_recving=r.failed_recving
         )
+
+    def _digest_failed(self, e: Exception) -> None:
+        """Never vLLM's forward's failure: the requests go unchecked."""
+        if not self._warned_digest:
+            self._warned_digest = True
+            logger.warning("GoNixlConnector: KV digests failed (%s); these requests are read unchecked (logged once)", e)
 
     def _add_digests(self, got: dict[str, Any]) -> None:
         """This rank's digests, by request id, for the step's worker

@@ -18,10 +18,14 @@ def _connector(req_id: str, prompt: int) -> tuple[GoNixlConnector, Any]:
     return c, req
 
 
-def _step(c: GoNixlConnector, req: Any, scheduled: int, new: Any = None, cached: Any = None, resumed: bool = False) -> dict[str, list[int]]:
-    """One engine step of req: new (block id groups of a new request) or
-    cached (its new block id groups, None when it got none)."""
+def _step(
+    c: GoNixlConnector, req: Any, scheduled: int, new: Any = None, cached: Any = None, resumed: bool = False
+) -> dict[str, list[int]]:
+    """One engine step of req: new (block id groups of a new request, or of
+    one resumed by vLLM's V2 model runner) or cached (its new block id
+    groups, None when it got none)."""
     out = SimpleNamespace(
+        preempted_req_ids=set(),
         scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, block_ids=new)] if new is not None else [],
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[req.request_id] if new is None else [],
@@ -62,3 +66,23 @@ def test_a_resumed_request_saves_its_new_blocks_only() -> None:
     req.num_computed_tokens = 0
     assert _step(c, req, 30, cached=([11, 12],), resumed=True) == {"r": [11, 12]}
     assert c._save_tails["r"] == [12]
+
+
+def test_a_request_resumed_as_new_saves_its_new_blocks_only() -> None:
+    # vLLM's V2 model runner lists a resumed request among the new ones
+    # (resumed False): its tail from before the preemption is not saved
+    # (freed with it, another request's KV by now).
+    c, req = _connector("r", 64)
+    _step(c, req, 20, new=([5, 6],))
+    req.num_computed_tokens = 0
+    assert _step(c, req, 30, new=([11, 12],)) == {"r": [11, 12]}
+    assert c._save_tails["r"] == [12]
+
+
+def test_a_preemption_forgets_the_tail() -> None:
+    c, req = _connector("r", 64)
+    _step(c, req, 20, new=([5, 6],))
+    empty = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+    out = SimpleNamespace(preempted_req_ids={"r"}, scheduled_new_reqs=[], scheduled_cached_reqs=empty, num_scheduled_tokens={})
+    assert c._staging_saves(out) == {}
+    assert "r" not in c._save_tails
