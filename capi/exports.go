@@ -177,18 +177,6 @@ func gonixl_scheduler_new(cfgJSON *C.char, cfgLen C.size_t, out *C.gonixl_schedu
 	})
 }
 
-//export gonixl_scheduler_on_new_request
-func gonixl_scheduler_on_new_request(h C.gonixl_scheduler_t, reqID *C.char, reqIDLen C.size_t, pj *C.char, pl C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
-		id, p, err := request(reqID, reqIDLen, pj, pl)
-		if err != nil {
-			return err
-		}
-		s.OnNewRequest(id, p)
-		return nil
-	})
-}
-
 //export gonixl_scheduler_get_num_new_matched_tokens
 func gonixl_scheduler_get_num_new_matched_tokens(h C.gonixl_scheduler_t, pj *C.char, pl C.size_t, numPrompt, numComputed C.int64_t, outCount *C.int64_t, outAsync *C.int32_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
 	return guard(cerr, func() error {
@@ -253,6 +241,50 @@ func gonixl_scheduler_build_meta(h C.gonixl_scheduler_t, buf *C.char, lenp *C.si
 	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
 		return consume(pendingKey{uint64(h), "build_meta", ""}, buf, lenp, s.BuildMetaOrIdle)
 	})
+}
+
+//export gonixl_scheduler_apply
+func gonixl_scheduler_apply(h C.gonixl_scheduler_t, ops *C.char, opsLen C.size_t, results *C.uint8_t, numOps C.int64_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
+		return applyOps(s, ops, opsLen, results, numOps)
+	})
+}
+
+//export gonixl_scheduler_apply_build_meta
+func gonixl_scheduler_apply_build_meta(h C.gonixl_scheduler_t, ops *C.char, opsLen C.size_t, results *C.uint8_t, numOps C.int64_t,
+	buf *C.char, lenp *C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
+	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
+		// The ops go inside produce: a retry after BUFFER_TOO_SMALL is
+		// handed the parked metadata and applies nothing again.
+		return consume(pendingKey{uint64(h), "build_meta", ""}, buf, lenp, func() ([]byte, error) {
+			if err := applyOps(s, ops, opsLen, results, numOps); err != nil {
+				return nil, err
+			}
+			return s.BuildMetaOrIdle()
+		})
+	})
+}
+
+// applyOps runs a scheduler batch (shim/sched_ops.go), one result byte per op.
+func applyOps(s *shim.Scheduler, ops *C.char, opsLen C.size_t, results *C.uint8_t, numOps C.int64_t) error {
+	if numOps < 0 || numOps > maxArray {
+		return errorf(statusInvalidArg, "num_ops %d out of range", numOps)
+	}
+	if numOps > 0 && results == nil {
+		return errorf(statusNullPointer, "results is NULL but num_ops is %d", numOps)
+	}
+	b, err := readIn(ops, opsLen, "ops")
+	if err != nil {
+		return err
+	}
+	res := make([]byte, numOps)
+	if err := s.ApplyOps(b, res); err != nil {
+		return err
+	}
+	if numOps > 0 {
+		copy(unsafe.Slice((*byte)(unsafe.Pointer(results)), int(numOps)), res)
+	}
+	return nil
 }
 
 //export gonixl_scheduler_idle_for
@@ -346,18 +378,6 @@ func gonixl_scheduler_pending_block_frees(h C.gonixl_scheduler_t, out *C.int32_t
 		if fenced {
 			*out |= 2
 		}
-		return nil
-	})
-}
-
-//export gonixl_scheduler_update_connector_output
-func gonixl_scheduler_update_connector_output(h C.gonixl_scheduler_t, j *C.char, n C.size_t, cerr *C.gonixl_error_t) C.gonixl_status_t {
-	return onScheduler(h, cerr, func(s *shim.Scheduler) error {
-		ids, err := readIDs(j, n, "finished_recving_json")
-		if err != nil {
-			return err
-		}
-		s.UpdateConnectorOutput(ids)
 		return nil
 	})
 }

@@ -39,7 +39,7 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change to this header. */
-#define GONIXL_ABI_VERSION 6
+#define GONIXL_ABI_VERSION 7
 
 /* Status codes. Append-only: never renumber. */
 typedef int32_t gonixl_status_t;
@@ -94,12 +94,6 @@ gonixl_status_t gonixl_probe(char *buf, size_t *len, gonixl_error_t *err);
 gonixl_status_t gonixl_scheduler_new(char *config_json, size_t config_len,
                                      gonixl_scheduler_t *out, gonixl_error_t *err);
 
-/* on_new_request: starts heartbeats for a decode request waiting on a
- * remote prefill. */
-gonixl_status_t gonixl_scheduler_on_new_request(gonixl_scheduler_t h, char *req_id, size_t req_id_len,
-                                                char *params_json, size_t params_len,
-                                                gonixl_error_t *err);
-
 /* get_num_new_matched_tokens: *out_count tokens can be loaded remotely,
  * *out_async is 1 when they load asynchronously. */
 gonixl_status_t gonixl_scheduler_get_num_new_matched_tokens(gonixl_scheduler_t h,
@@ -130,6 +124,43 @@ gonixl_status_t gonixl_scheduler_update_state_after_alloc(gonixl_scheduler_t h,
  * gonixl_scheduler_idle_for's seconds. */
 gonixl_status_t gonixl_scheduler_build_meta(gonixl_scheduler_t h, char *buf, size_t *len,
                                             gonixl_error_t *err);
+
+/* Scheduler batches: scheduler calls whose answer the caller does not wait
+ * for, encoded one after another (little-endian; str = uint32 length +
+ * bytes; groups = uint32 count, then per group uint32 count + int64s;
+ * int64s = uint32 count + int64s):
+ *   1 on_new_request           str req_id, str params_json
+ *                              (starts heartbeats for a decode request
+ *                              waiting on a remote prefill)
+ *   2 update_state_after_alloc str req_id, str params_json, groups block_ids,
+ *                              int64s num_computed, int64 num_external_tokens
+ *   3 request_finished         str req_id, str params_json, uint8 normal,
+ *                              int64 num_computed_tokens, groups block_ids
+ *                              (only a decode's, without bidirectional
+ *                              transfer: its answer is always "no delay, no
+ *                              params"; any other is refused)
+ *   4 update_connector_output  uint32 count, that many str req_id
+ *                              (finished_recving)
+ * Applied in order, as the single calls below would be (on_new_request and
+ * update_connector_output are only ops). results has one
+ * byte per op (num_ops): GONIXL_OP_MUTATED (update_state_after_alloc's
+ * out_mutated) and GONIXL_OP_INVALID (the op's params were refused: logged
+ * by the library with the request id; the other ops still apply). A batch
+ * that does not decode, or holds another number of ops, applies nothing
+ * (GONIXL_ERR_INVALID_ARGUMENT). Ops that change what a call reads go before
+ * it: gonixl_scheduler_get_num_new_matched_tokens reads only its arguments. */
+#define GONIXL_OP_MUTATED 1
+#define GONIXL_OP_INVALID 2
+gonixl_status_t gonixl_scheduler_apply(gonixl_scheduler_t h, char *ops, size_t ops_len,
+                                       uint8_t *results, int64_t num_ops, gonixl_error_t *err);
+
+/* apply_build_meta: gonixl_scheduler_apply, then gonixl_scheduler_build_meta,
+ * in one call (a step's batch and its metadata). On a retry after
+ * GONIXL_ERR_BUFFER_TOO_SMALL (same ops) the ops are not applied again and
+ * results keeps what the first call wrote. */
+gonixl_status_t gonixl_scheduler_apply_build_meta(gonixl_scheduler_t h, char *ops, size_t ops_len,
+                                                  uint8_t *results, int64_t num_ops, char *buf,
+                                                  size_t *len, gonixl_error_t *err);
 
 /* idle_for: after build_meta answered zero bytes, *out is how many seconds
  * later steps stay idle unless another gonixl_scheduler_* call is made (the
@@ -186,11 +217,6 @@ gonixl_status_t gonixl_scheduler_push_preempted(gonixl_scheduler_t h, char *req_
  * (the next step's metadata needs gonixl_worker_handle_preemptions). */
 gonixl_status_t gonixl_scheduler_pending_block_frees(gonixl_scheduler_t h, int32_t *out,
                                                      gonixl_error_t *err);
-
-/* update_connector_output: finished_recving is a JSON array of request ids. */
-gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,
-                                                         char *finished_recving_json,
-                                                         size_t json_len, gonixl_error_t *err);
 
 /* kv_digests (a bidirectional decode, kv_digest_readback): the workers'
  * digests of blocks held for a read-back, a JSON object by request id of

@@ -826,6 +826,35 @@ type pyConn struct {
 	due             float64 // _sched_due (the model's clock; 0 for none)
 	loadErrPending  bool
 	fenceNext       bool // _fence_next: the next step's metadata needs handle_preemptions
+	// engine.Scheduler's batch: the queued calls and what runs on each
+	// one's result (sched_ops.go).
+	ops  opEnc
+	then []func(byte)
+}
+
+// queue is engine.Scheduler._queue.
+func (c *pyConn) queue(then func(byte)) { c.then = append(c.then, then) }
+
+// flush is engine.Scheduler.flush (apply=false) or the batch half of its
+// build_meta (apply_build_meta).
+func (c *pyConn) flush() {
+	if c.ops.n == 0 {
+		return
+	}
+	res := make([]byte, c.ops.n)
+	if err := c.sched.ApplyOps(c.ops.b, res); err != nil {
+		c.e.r.violate("model", "%s: scheduler batch: %v", c.e.name, err)
+	}
+	then := c.then
+	c.ops, c.then = opEnc{}, nil
+	for i, f := range then {
+		if res[i]&OpInvalid != 0 {
+			c.e.r.tracef("  %s: batched op %d refused", c.e.name, i)
+		}
+		if f != nil {
+			f(res[i])
+		}
+	}
 }
 
 func newPyConn(e *mEngine, push bool) *pyConn {
@@ -954,7 +983,8 @@ func (c *pyConn) onNewRequest(r *mReq) {
 		return
 	}
 	c.dirty = true
-	c.sched.OnNewRequest(r.id, c.parse(r, r.params))
+	c.ops.onNew(r.id, jsonOf(r.params))
+	c.queue(nil)
 }
 
 func (c *pyConn) getNumNewMatchedTokens(r *mReq, computed int) (int, bool) {
@@ -992,23 +1022,23 @@ func (c *pyConn) updateStateAfterAlloc(r *mReq, ext int) {
 	if ext > 0 {
 		groups = BlockIDs{append([]int64(nil), r.blocks...)}
 	}
-	p := c.parse(r, send)
-	if p == nil {
+	if c.parse(r, send) == nil {
 		return
 	}
 	c.dirty = true
-	mutated, err := c.sched.UpdateStateAfterAlloc(r.id, p, groups, []int64{0}, int64(ext))
-	if err != nil {
-		c.e.r.tracef("  %s: update_state_after_alloc(%s): %v", c.e.name, r.id, err)
-		return
-	}
-	if mutated {
-		params["do_remote_prefill"] = false
-		params["_remote_blocks_processed"] = true
-		if pushRegister {
-			c.pushRegistering[r.id] = true
-			c.pushRegistered[r.id] = true
+	// Queued for the step's build_meta; its answer mutates the params then.
+	c.ops.alloc(r.id, jsonOf(send), groups, []int64{0}, int64(ext))
+	c.queue(func(res byte) {
+		if res&OpMutated != 0 {
+			params["do_remote_prefill"] = false
+			params["_remote_blocks_processed"] = true
+			if pushRegister {
+				c.pushRegistered[r.id] = true
+			}
 		}
+	})
+	if pushRegister {
+		c.pushRegistering[r.id] = true
 	}
 }
 
@@ -1018,6 +1048,7 @@ func (c *pyConn) hasPendingBlockFrees() bool {
 	if len(c.earlySeen) == 0 {
 		return false
 	}
+	c.flush()
 	pending, fenced := c.sched.PendingBlockFreesFenced()
 	if fenced {
 		c.dirty, c.fenceNext = true, true
@@ -1039,6 +1070,7 @@ func (c *pyConn) pushPreempted(preempted []string) {
 	}
 	sort.Strings(ids)
 	c.dirty, c.fenceNext = true, true
+	c.flush()
 	c.sched.PushPreempted(ids)
 }
 
@@ -1071,6 +1103,7 @@ func (c *pyConn) pushPromptsDone(out []schedReq) bool {
 		if p == nil {
 			continue
 		}
+		c.flush()
 		if err := c.sched.PushPromptDone(r.id, p, BlockIDs{append([]int64(nil), acc...)}, 0); err != nil {
 			c.e.r.tracef("  %s: push_prompt_done(%s): %v", c.e.name, r.id, err)
 			continue
@@ -1091,6 +1124,7 @@ func (c *pyConn) buildConnectorMeta(out []schedReq, preempted []string) []byte {
 	}
 	var data []byte
 	if now := c.e.r.clock.Now(); c.dirty || (c.due != 0 && now >= c.due) {
+		c.flush()
 		b, err := c.sched.BuildMetaOrIdle()
 		if err != nil {
 			c.e.r.violate("model", "%s: build_meta: %v", c.e.name, err)
@@ -1118,7 +1152,8 @@ func (c *pyConn) updateConnectorOutput(sending, recving []string) {
 	}
 	if len(recving) > 0 {
 		c.dirty = true
-		c.sched.UpdateConnectorOutput(slices.Sorted(slices.Values(recving)))
+		c.ops.recvd(slices.Sorted(slices.Values(recving))...)
+		c.queue(nil)
 	}
 }
 
@@ -1150,6 +1185,16 @@ func (c *pyConn) requestFinished(r *mReq, ids BlockIDs) (bool, map[string]any) {
 		return false, nil
 	}
 	c.dirty = true
+	if !c.sched.cfg.BidirectionalKVXfer && !truthy(r.params["do_remote_decode"]) {
+		// A decode's: queued, its answer is always "nothing held".
+		c.ops.finished(r.id, jsonOf(send), normal, int64(computed), ids)
+		c.queue(nil)
+		if truthy(r.params["do_remote_prefill"]) {
+			r.params["do_remote_prefill"] = false
+		}
+		return false, nil
+	}
+	c.flush()
 	delay, out, err := c.sched.RequestFinished(r.id, p, normal, int64(computed), ids)
 	if err != nil {
 		c.e.r.tracef("  %s: request_finished(%s): %v", c.e.name, r.id, err)

@@ -39,7 +39,7 @@ DECL = re.compile(r"([A-Za-z_][\w\s\*]*?)\b(gonixl_\w+)\s*\(([^;{]*?)\)\s*;", re
 
 
 def header_functions(src: str) -> list[tuple[str, str, list[str]]]:
-    body = strip_comments(src)
+    body = re.sub(r"^\s*#.*$", " ", strip_comments(src), flags=re.M)  # preprocessor lines
     funcs = []
     for m in DECL.finditer(body):
         ret = " ".join(m.group(1).split())
@@ -73,6 +73,7 @@ def ctype_for(c: str, lib):
     scalar = {
         "gonixl_status_t": ctypes.c_int32,
         "int32_t": ctypes.c_int32,
+        "uint8_t": ctypes.c_uint8,
         "uint32_t": ctypes.c_uint32,
         "int64_t": ctypes.c_int64,
         "uint64_t": ctypes.c_uint64,
@@ -153,8 +154,9 @@ def main() -> int:
     for cname, value in defines.items():
         if cname in ("GONIXL_ABI_VERSION", "GONIXL_ERROR_MESSAGE_SIZE"):
             continue
-        if cname.startswith("GONIXL_FINISHED_"):
-            # get_finished's binary form: gonixl.engine reads it.
+        if cname.startswith(("GONIXL_FINISHED_", "GONIXL_OP_")):
+            # get_finished's binary form and the scheduler batch's result
+            # bits: gonixl.engine reads them.
             pyname = cname[len("GONIXL_"):]
             if getattr(engine, pyname, None) != value:
                 problems.append(f"{cname}={value} but gonixl.engine.{pyname}={getattr(engine, pyname, None)}")

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from . import errors
 
 #: Must equal GONIXL_ABI_VERSION in include/gonixl.h.
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 ERROR_MESSAGE_SIZE = 512
 
@@ -52,6 +52,7 @@ i32 = ctypes.c_int32
 i64_p = ctypes.POINTER(ctypes.c_int64)
 i32_p = ctypes.POINTER(ctypes.c_int32)
 f64_p = ctypes.POINTER(ctypes.c_double)
+u8_p = ctypes.POINTER(ctypes.c_uint8)
 handle_p = ctypes.POINTER(handle_t)
 buf = ctypes.c_char_p
 size = ctypes.c_size_t
@@ -68,9 +69,6 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     # gonixl_status_t gonixl_scheduler_new(char *config_json, size_t config_len,
     #     gonixl_scheduler_t *out, gonixl_error_t *err);
     ("gonixl_scheduler_new", status_t, [buf, size, handle_p, error_p]),
-    # gonixl_status_t gonixl_scheduler_on_new_request(gonixl_scheduler_t h, char *req_id,
-    #     size_t req_id_len, char *params_json, size_t params_len, gonixl_error_t *err);
-    ("gonixl_scheduler_on_new_request", status_t, [handle_t, buf, size, buf, size, error_p]),
     # gonixl_status_t gonixl_scheduler_get_num_new_matched_tokens(gonixl_scheduler_t h,
     #     char *params_json, size_t params_len, int64_t num_prompt_tokens,
     #     int64_t num_computed_tokens, int64_t *out_count, int32_t *out_async, gonixl_error_t *err);
@@ -88,6 +86,12 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     # gonixl_status_t gonixl_scheduler_build_meta(gonixl_scheduler_t h, char *buf, size_t *len,
     #     gonixl_error_t *err);
     ("gonixl_scheduler_build_meta", status_t, [handle_t, buf, size_p, error_p]),
+    # gonixl_status_t gonixl_scheduler_apply(gonixl_scheduler_t h, char *ops, size_t ops_len,
+    #     uint8_t *results, int64_t num_ops, gonixl_error_t *err);
+    ("gonixl_scheduler_apply", status_t, [handle_t, buf, size, u8_p, i64, error_p]),
+    # gonixl_status_t gonixl_scheduler_apply_build_meta(gonixl_scheduler_t h, char *ops, size_t ops_len,
+    #     uint8_t *results, int64_t num_ops, char *buf, size_t *len, gonixl_error_t *err);
+    ("gonixl_scheduler_apply_build_meta", status_t, [handle_t, buf, size, u8_p, i64, buf, size_p, error_p]),
     # gonixl_status_t gonixl_scheduler_idle_for(gonixl_scheduler_t h, double *out, gonixl_error_t *err);
     ("gonixl_scheduler_idle_for", status_t, [handle_t, f64_p, error_p]),
     # gonixl_status_t gonixl_scheduler_request_finished(gonixl_scheduler_t h,
@@ -115,9 +119,6 @@ PROTOTYPES: list[tuple[str, object, list]] = [
     # gonixl_status_t gonixl_scheduler_pending_block_frees(gonixl_scheduler_t h, int32_t *out,
     #     gonixl_error_t *err);
     ("gonixl_scheduler_pending_block_frees", status_t, [handle_t, i32_p, error_p]),
-    # gonixl_status_t gonixl_scheduler_update_connector_output(gonixl_scheduler_t h,
-    #     char *finished_recving_json, size_t json_len, gonixl_error_t *err);
-    ("gonixl_scheduler_update_connector_output", status_t, [handle_t, buf, size, error_p]),
     # gonixl_status_t gonixl_scheduler_kv_digests(gonixl_scheduler_t h, char *digests_json,
     #     size_t json_len, gonixl_error_t *err);
     ("gonixl_scheduler_kv_digests", status_t, [handle_t, buf, size, error_p]),
@@ -209,16 +210,16 @@ def library_path() -> str:
 #: the GIL as before.
 HOT = frozenset(
     {
-        "gonixl_scheduler_on_new_request",
         "gonixl_scheduler_get_num_new_matched_tokens",
         "gonixl_scheduler_update_state_after_alloc",
         "gonixl_scheduler_build_meta",
+        "gonixl_scheduler_apply",
+        "gonixl_scheduler_apply_build_meta",
         "gonixl_scheduler_idle_for",
         "gonixl_scheduler_request_finished",
         "gonixl_scheduler_push_prompt_done",
         "gonixl_scheduler_push_preempted",
         "gonixl_scheduler_pending_block_frees",
-        "gonixl_scheduler_update_connector_output",
         "gonixl_scheduler_kv_digests",
         "gonixl_worker_start_load_kv",
         "gonixl_worker_get_finished",

@@ -15,11 +15,12 @@ vLLM forks, and a Go runtime does not survive fork).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import itertools
 import json
 import struct
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 from . import _lib
 
@@ -187,6 +188,24 @@ def _ids_json(ids: Iterable[str]) -> bytes:
     return json.dumps(sorted(ids)).encode()
 
 
+#: A scheduler batch op's result bits (include/gonixl.h).
+OP_MUTATED = 1
+OP_INVALID = 2
+
+
+def _op_str(b: bytes) -> bytes:
+    return struct.pack("<I", len(b)) + b
+
+
+def _op_i64s(v: Sequence[int]) -> bytes:
+    return struct.pack("<I", len(v)) + array.array("q", v).tobytes()
+
+
+def _op_groups(groups: Optional[Sequence[Sequence[int]]]) -> bytes:
+    gs = list(groups or ())
+    return struct.pack("<I", len(gs)) + b"".join(_op_i64s(g) for g in gs)
+
+
 class Scheduler:
     """The scheduler side (vLLM's EngineCore): request bookkeeping, leases,
     the side-channel listener. config is the connector configuration
@@ -198,10 +217,47 @@ class Scheduler:
 
     def __init__(self, config: Union[bytes, Mapping[str, Any]]):
         self.handle = _new("gonixl_scheduler_new", config, "scheduler")
+        # The batch (include/gonixl.h, "Scheduler batches"): calls whose
+        # answer the caller does not wait for, carried by the next call that
+        # reads what they change (build_meta, normally: one crossing a step).
+        self._ops = bytearray()
+        self._then: list[Optional[Callable[[int], None]]] = []
+        self._meta_out: Optional[_lib.Buffer] = None
+
+    @property
+    def pending_ops(self) -> int:
+        """Calls queued for the next crossing."""
+        return len(self._then)
+
+    def _queue(self, op: bytes, then: Optional[Callable[[int], None]] = None) -> None:
+        self._ops += op
+        self._then.append(then)
+
+    def _take_ops(self) -> tuple[bytes, Any, list[Optional[Callable[[int], None]]]]:
+        ops, then = bytes(self._ops), self._then
+        self._ops, self._then = bytearray(), []
+        return ops, (ctypes.c_uint8 * len(then))(), then
+
+    @staticmethod
+    def _results(res: Any, then: list[Optional[Callable[[int], None]]]) -> None:
+        for i, cb in enumerate(then):
+            if cb is not None:
+                cb(res[i])
+
+    def flush(self) -> None:
+        """Applies the queued calls now (every call but
+        get_num_new_matched_tokens does so first)."""
+        if not self._then:
+            return
+        ops, res, then = self._take_ops()
+        _lib.call("gonixl_scheduler_apply", self.handle, ops, len(ops), res, len(then))
+        self._results(res, then)
 
     def on_new_request(self, req_id: str, params: Params) -> None:
-        r, p = req_id.encode(), _j(params)
-        _lib.call("gonixl_scheduler_on_new_request", self.handle, r, len(r), p, len(p))
+        """Queued (op 1). Params the library refuses are logged by it."""
+        p = _j(params)
+        if p:
+            self._queue(b"\x01" + _op_str(req_id.encode()) + _op_str(p))
 
     def get_num_new_matched_tokens(self, params: Params, num_prompt_tokens: int, num_computed_tokens: int) -> tuple[int, bool]:
         p = _j(params)
@@ -228,6 +284,7 @@ class Scheduler:
     ) -> bool:
         """Returns whether the request's params now say its remote blocks
         were taken care of (vLLM then sets do_remote_prefill to False)."""
+        self.flush()
         r, p = req_id.encode(), _j(params)
         ids, n, lens, ng = flatten_groups(block_ids if num_external_tokens > 0 else ())
         comp = (ctypes.c_int64 * len(cached_blocks))(*cached_blocks)
@@ -250,15 +307,55 @@ class Scheduler:
         )
         return bool(mutated.value)
 
+    def update_state_after_alloc_later(
+        self,
+        req_id: str,
+        params: Params,
+        block_ids: Sequence[Sequence[int]],
+        cached_blocks: Sequence[int],
+        num_external_tokens: int,
+        then: Callable[[bool], None],
+    ) -> None:
+        """update_state_after_alloc, queued (op 2): then(mutated) runs when
+        the batch is applied; not at all when the library refused the
+        params (it logs why)."""
+        p = _j(params)
+        groups = _op_groups(block_ids if num_external_tokens > 0 else ())
+        op = b"\x02" + _op_str(req_id.encode()) + _op_str(p) + groups + _op_i64s(cached_blocks) + struct.pack("<q", num_external_tokens)
+
+        def done(res: int) -> None:
+            if not res & OP_INVALID:
+                then(bool(res & OP_MUTATED))
+
+        self._queue(op, done)
+
+    def request_finished_later(
+        self, req_id: str, params: Params, block_ids: Sequence[Sequence[int]], finished_normally: bool, num_computed_tokens: int
+    ) -> None:
+        """request_finished of a decode without bidirectional transfer,
+        queued (op 3): its answer is always (False, None); the library
+        refuses any other."""
+        p = _j(params)
+        op = (
+            b"\x03"
+            + _op_str(req_id.encode())
+            + _op_str(p)
+            + struct.pack("<Bq", 1 if finished_normally else 0, num_computed_tokens)
+            + _op_groups(block_ids)
+        )
+        self._queue(op)
+
     def push_prompt_done(self, req_id: str, params: Params, block_ids: Sequence[Sequence[int]], num_tokens: int = 0) -> None:
         """Push mode, a prefill: the step being scheduled completes this
         request's prompt of num_tokens tokens (include/gonixl.h)."""
+        self.flush()
         r, p = req_id.encode(), _j(params)
         ids, n, lens, ng = flatten_groups(block_ids)
         _lib.call("gonixl_scheduler_push_prompt_done", self.handle, r, len(r), p, len(p), ids, n, lens, ng, num_tokens)
 
     def push_preempted(self, req_ids: Iterable[str]) -> None:
         """Push mode, a prefill: the requests vLLM preempted this step."""
+        self.flush()
         j = _ids_json(req_ids)
         if j != b"[]":
             _lib.call("gonixl_scheduler_push_preempted", self.handle, j, len(j))
@@ -267,6 +364,7 @@ class Scheduler:
         """vLLM's has_pending_block_frees (push mode's announced prompts),
         and whether the call handed stale announcements to the workers as
         preemptions."""
+        self.flush()
         out = ctypes.c_int32(0)
         _lib.call("gonixl_scheduler_pending_block_frees", self.handle, ctypes.byref(out))
         return bool(out.value & 1), bool(out.value & 2)
@@ -275,24 +373,34 @@ class Scheduler:
         """This step's metadata for the workers; b"" for an idle step (no
         work, no timer due; idle until another scheduler call, for
         idle_for() seconds)."""
-        return _lib.call_bytes("gonixl_scheduler_build_meta", self.handle)
+        if self._meta_out is None:
+            self._meta_out = _lib.Buffer(4096)
+        if not self._then:
+            return _lib.call_into(self._meta_out, "gonixl_scheduler_build_meta", self.handle)
+        ops, res, then = self._take_ops()
+        data = _lib.call_into(self._meta_out, "gonixl_scheduler_apply_build_meta", self.handle, ops, len(ops), res, len(then))
+        self._results(res, then)
+        return data
 
     def idle_for(self) -> float:
         """After build_meta answered b"": seconds the next steps stay idle
         unless another scheduler call is made (a heartbeat's due time); -1
         when nothing is timed, 0 when there is work now."""
+        self.flush()
         out = ctypes.c_double(0.0)
         _lib.call("gonixl_scheduler_idle_for", self.handle, ctypes.byref(out))
         return out.value
 
     def update_connector_output(self, finished_recving: Iterable[str]) -> None:
-        j = _ids_json(finished_recving)
-        if j != b"[]":
-            _lib.call("gonixl_scheduler_update_connector_output", self.handle, j, len(j))
+        """Queued (op 4)."""
+        ids = [r.encode() for r in finished_recving]
+        if ids:
+            self._queue(b"\x04" + struct.pack("<I", len(ids)) + b"".join(_op_str(r) for r in ids))
 
     def kv_digests(self, digests: Mapping[str, Any]) -> None:
         """The workers' digests of blocks held for a read-back, by request
         id (None: not digested); the side channel serves them."""
+        self.flush()
         j = json.dumps(digests).encode()
         _lib.call("gonixl_scheduler_kv_digests", self.handle, j, len(j))
 
@@ -305,6 +413,7 @@ class Scheduler:
         num_computed_tokens: int,
     ) -> tuple[bool, Optional[dict[str, Any]]]:
         """(delay_free_blocks, kv_transfer_params for the response)."""
+        self.flush()
         r, p = req_id.encode(), _j(params)
         ids, n, lens, ng = flatten_groups(block_ids)
         delay = ctypes.c_int32(0)
@@ -327,13 +436,16 @@ class Scheduler:
         return bool(delay.value), (json.loads(out) if out else None)
 
     def set_handshake_payload(self, pp_rank: int, tp_rank: int, payload: bytes) -> None:
+        self.flush()
         _lib.call("gonixl_scheduler_set_handshake_payload", self.handle, pp_rank, tp_rank, payload, len(payload))
 
     def live(self) -> dict[str, int]:
+        self.flush()
         return json.loads(_lib.call_bytes("gonixl_scheduler_live", self.handle, initial=256))
 
     def close(self) -> None:
         if self.handle:
+            self._ops, self._then = bytearray(), []  # nothing left to apply them to
             h, self.handle = self.handle, 0
             _lib.call("gonixl_scheduler_close", h)
 

@@ -292,6 +292,8 @@ def _dummy_args(argtypes):
             args.append(ctypes.byref(ctypes.c_int32(0)))
         elif t is _lib.f64_p:
             args.append(ctypes.byref(ctypes.c_double(0.0)))
+        elif t is _lib.u8_p:
+            args.append((ctypes.c_uint8 * 1)(0))
         elif t is _lib.worker_state_pp:
             args.append(ctypes.byref(ctypes.POINTER(_lib.WorkerState)()))
         else:

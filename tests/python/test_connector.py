@@ -259,7 +259,10 @@ def test_request_finished_returns_vllms_kv_transfer_params(pd):
     assert isinstance(params["remote_blocks_expiry_time"], float) and params["remote_blocks_expiry_time"] > 0
     assert params["transfer_mode"] == "pull"
     json.dumps(params)  # travels in the HTTP response
-    # The decode side took the params over: one transfer per request.
+    # The decode side took the params over (by the end of the step that
+    # scheduled it: update_state_after_alloc's answer comes with the step's
+    # build_connector_meta, as vLLM calls them): one transfer per request.
+    d.step()
     assert dr.req.kv_transfer_params["do_remote_prefill"] is False
     assert dr.req.kv_transfer_params["_remote_blocks_processed"] is True
     wait_transfer_done(p, d, pre, dr)
@@ -390,7 +393,9 @@ def test_full_local_prefix_hit_sends_notification_only(pd):
     # Every prompt token is cached locally: nothing to load ...
     assert (dr.n_ext, dr.load_async) == (0, False)
     assert dr.new_blocks == []
-    # ... but the prefill must still hear that it can free its blocks.
+    # ... but the prefill must still hear that it can free its blocks (the
+    # step's build_connector_meta carries update_state_after_alloc).
+    d.step()
     assert dr.req.kv_transfer_params["do_remote_prefill"] is False
     h.run_until([p, d], lambda: pre.req.request_id in p.out.sending, "prefill finished_sending after notify-only")
     assert pre.req.request_id not in p.held
@@ -1175,6 +1180,68 @@ def _idle_steps(p, d, monkeypatch):
     finish_decode(d, dr)
 
 
+def test_per_request_scheduler_calls_ride_the_steps_crossing(connector_cls, dist_env, monkeypatch):
+    """A decode's per-request scheduler calls whose answer vLLM does not
+    wait for (on_new_request, update_state_after_alloc, request_finished,
+    update_connector_output) make no call into the library of their own:
+    they go with the step's build_connector_meta, one call, and nothing is
+    lost (the KV arrives, the prefill is told, everything ends at rest).
+    Only get_num_new_matched_tokens, whose answer vLLM needs at once,
+    crosses by itself (issue: per-step cost)."""
+    p = h.Engine(connector_cls, "kv_producer", "engine-batch-p", P_BLOCKS)
+    d = h.Engine(connector_cls, "kv_consumer", "engine-batch-d", D_BLOCKS)
+    try:
+        from gonixl import _lib
+
+        calls: list[str] = []
+        for name in ("call", "call_bytes", "call_into"):
+            real = getattr(_lib, name)
+
+            def counting(*args, _real=real, **kw):
+                calls.append(next((a for a in args[:2] if isinstance(a, str)), "?"))
+                return _real(*args, **kw)
+
+            monkeypatch.setattr(_lib, name, counting)
+        d.fill_all(-3.0)
+        pres = [h.prefill(p, f"batch{i}-p", 40 + 8 * i, seed=i) for i in range(3)]
+        before = d.snapshot()
+        calls.clear()
+        drs = [h.schedule_decode(d, f"batch{i}-d", 40 + 8 * i, pre.params) for i, pre in enumerate(pres)]
+        assert calls == ["gonixl_scheduler_get_num_new_matched_tokens"] * 3, calls
+        assert d.sched._sched.pending_ops == 6  # on_new_request + update_state_after_alloc each
+        d.step()
+        sched_calls = [c for c in calls[3:] if c.startswith("gonixl_scheduler_")]
+        assert sched_calls == ["gonixl_scheduler_apply_build_meta"], sched_calls
+        assert all(dr.req.kv_transfer_params["do_remote_prefill"] is False for dr in drs)
+        for pre, dr in zip(pres, drs):
+            wait_transfer_done(p, d, pre, dr)
+        src = [b for pre in pres for b in pre.block_ids]
+        assert_blocks_copied(p, d, src, [b for dr in drs for b in dr.new_blocks], before)
+        calls.clear()
+        for dr in drs:
+            dr.req.status = RequestStatus.FINISHED_STOPPED
+            assert d.sched.request_finished(dr.req, dr.local_hit + dr.new_blocks) == (False, None)
+            d.free(dr.local_hit + dr.new_blocks)
+            d.finished_req_ids.add(dr.req.request_id)
+        assert calls == [], calls
+        # An abort before the load: the prefill is told to free its blocks
+        # by the next step, with no call of its own.
+        pre = h.prefill(p, "batch-abort-p", 40, seed=9)
+        req = d.request("batch-abort-d", 40, copy.deepcopy(pre.params))
+        d.add_request(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        calls.clear()
+        assert d.sched.request_finished(req, []) == (False, None)
+        assert calls == [], calls
+        h.run_until([p, d], lambda: "batch-abort-p" in p.out.sending, "the prefill freed the aborted request's blocks")
+        h.run_steps([p, d], 3)
+        live = d.sched.live_counts()
+        assert live["awaiting_kv"] == 0 and live["heartbeat_leases"] == 0, live
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
 def test_steps_between_heartbeats_make_no_call(connector_cls, dist_env, monkeypatch):
     """A decode whose only pending work is a heartbeat to the prefill holding
     blocks for it (a request queued behind others): the steps between two
@@ -1190,14 +1257,20 @@ def test_steps_between_heartbeats_make_no_call(connector_cls, dist_env, monkeypa
         from gonixl import _lib
 
         sizes: list[tuple[str, int]] = []
-        real = _lib.call_bytes
+        real, real_into = _lib.call_bytes, _lib.call_into
 
         def counting(name, *args, **kw):
             out = real(name, *args, **kw)
             sizes.append((name, len(out)))
             return out
 
+        def counting_into(b, name, *args, **kw):
+            out = real_into(b, name, *args, **kw)
+            sizes.append((name, len(out)))
+            return out
+
         monkeypatch.setattr(_lib, "call_bytes", counting)
+        monkeypatch.setattr(_lib, "call_into", counting_into)
         # Until a heartbeat has gone out and the step after it found nothing
         # to do (its idle_for names the next one).
         deadline = time.monotonic() + 10
