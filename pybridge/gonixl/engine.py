@@ -321,7 +321,8 @@ class Scheduler:
         params (it logs why)."""
         p = _j(params)
         groups = _op_groups(block_ids if num_external_tokens > 0 else ())
-        op = b"\x02" + _op_str(req_id.encode()) + _op_str(p) + groups + _op_i64s(cached_blocks) + struct.pack("<q", num_external_tokens)
+        op = b"\x02" + _op_str(req_id.encode()) + _op_str(p) + groups + _op_i64s(cached_blocks)
+        op += struct.pack("<q", num_external_tokens)
 
         def done(res: int) -> None:
             if not res & OP_INVALID:
