@@ -126,9 +126,10 @@ gonixl_status_t gonixl_scheduler_build_meta(gonixl_scheduler_t h, char *buf, siz
                                             gonixl_error_t *err);
 
 /* Scheduler batches: scheduler calls whose answer the caller does not wait
- * for, encoded one after another (little-endian; str = uint32 length +
- * bytes; groups = uint32 count, then per group uint32 count + int64s;
- * int64s = uint32 count + int64s):
+ * for, encoded one after another, each as uint8 kind, uint32 length of its
+ * body, the body (little-endian; in a body str = uint32 length + bytes;
+ * groups = uint32 count, then per group uint32 count + int64s; int64s =
+ * uint32 count + int64s):
  *   1 on_new_request           str req_id, str params_json
  *                              (starts heartbeats for a decode request
  *                              waiting on a remote prefill)
@@ -144,10 +145,11 @@ gonixl_status_t gonixl_scheduler_build_meta(gonixl_scheduler_t h, char *buf, siz
  * Applied in order, as the single calls below would be (on_new_request and
  * update_connector_output are only ops). results has one
  * byte per op (num_ops): GONIXL_OP_MUTATED (update_state_after_alloc's
- * out_mutated) and GONIXL_OP_INVALID (the op's params were refused: logged
- * by the library with the request id; the other ops still apply). A batch
- * that does not decode, or holds another number of ops, applies nothing
- * (GONIXL_ERR_INVALID_ARGUMENT). Ops that change what a call reads go before
+ * out_mutated) and GONIXL_OP_INVALID (the op was refused: its params, an
+ * unknown kind or a body that does not decode; logged by the library with
+ * the request id; the other ops still apply). A batch whose framing does not
+ * hold (an op longer than what is left), or that holds another number of
+ * ops, applies nothing and writes no result (GONIXL_ERR_INVALID_ARGUMENT). Ops that change what a call reads go before
  * it: gonixl_scheduler_get_num_new_matched_tokens reads only its arguments. */
 #define GONIXL_OP_MUTATED 1
 #define GONIXL_OP_INVALID 2

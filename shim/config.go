@@ -359,7 +359,13 @@ func (x extra) bool(key string, def bool) (bool, error) {
 			return false, nil
 		}
 	case json.Number:
-		return t.String() != "0", nil
+		// Not its text: 0.0 is 0 (and false in Python, which reads the
+		// same key: pybridge/gonixl/vllm.py _extra_bool).
+		f, err := t.Float64()
+		if err != nil {
+			return false, fmt.Errorf("config: kv_connector_extra_config.%s must be a boolean, got %v", key, v)
+		}
+		return f != 0, nil
 	}
 	return false, fmt.Errorf("config: kv_connector_extra_config.%s must be a boolean, got %v", key, v)
 }

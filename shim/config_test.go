@@ -54,3 +54,33 @@ func TestConfigEngineTTL(t *testing.T) {
 		}
 	}
 }
+
+// Booleans of kv_connector_extra_config are read as the Python connector
+// reads them (pybridge/gonixl/vllm.py _extra_bool): the two sides must
+// agree on the mode (a decode's request_finished is batched only when
+// Python sees bidirectional transfer off, and the library refuses a batched
+// one when it sees it on). Numbers by value: 0.0 is false.
+func TestConfigExtraBool(t *testing.T) {
+	for in, want := range map[string]bool{
+		``: false, `true`: true, `false`: false, `"yes"`: true, `"On"`: true, `" true "`: true, `"0"`: false,
+		`"off"`: false, `""`: false, `1`: true, `0`: false, `0.0`: false, `2`: true, `-0.0`: false, `null`: false,
+	} {
+		extra := ``
+		if in != `` {
+			extra = `"bidirectional_kv_xfer":` + in
+		}
+		c, err := ParseConfig([]byte(`{"role":"scheduler","kv_role":"kv_consumer","engine_id":"e","kv_connector_extra_config":{` + extra + `}}`))
+		if err != nil {
+			t.Errorf("%s: %v", in, err)
+			continue
+		}
+		if c.BidirectionalKVXfer != want {
+			t.Errorf("bidirectional_kv_xfer %s: %v, want %v", in, c.BidirectionalKVXfer, want)
+		}
+	}
+	for _, bad := range []string{`"maybe"`, `[]`, `{}`} {
+		if _, err := ParseConfig([]byte(`{"role":"scheduler","kv_role":"kv_consumer","engine_id":"e","kv_connector_extra_config":{"bidirectional_kv_xfer":` + bad + `}}`)); err == nil {
+			t.Errorf("bidirectional_kv_xfer %s: accepted", bad)
+		}
+	}
+}

@@ -15,8 +15,9 @@ import (
 // and update_connector_output then cost no crossing of their own; the
 // step pays one.
 //
-// Encoding, little-endian; str = u32 length + bytes; groups = u32 count,
-// then per group u32 count + that many i64; i64s = u32 count + i64s:
+// Encoding, little-endian: each op is u8 kind, u32 length of its body,
+// the body; in a body, str = u32 length + bytes, groups = u32 count, then
+// per group u32 count + that many i64, i64s = u32 count + i64s:
 //
 //	1 on_new_request           str req_id, str params
 //	2 update_state_after_alloc str req_id, str params, groups blocks,
@@ -28,9 +29,10 @@ import (
 //	4 update_connector_output  u32 count, that many str req_id
 //
 // Each op gets a result byte: OpMutated (update_state_after_alloc's
-// answer) and OpInvalid (its params were refused; the error is logged
-// here, with the request, and the other ops still apply). A batch that
-// does not decode applies nothing.
+// answer) and OpInvalid (the op was refused: its params, or a body that
+// does not decode; logged here, with the request, and the other ops still
+// apply: one request's bad input never costs another's). A batch whose
+// framing does not hold (an op cut short) applies nothing.
 const (
 	opOnNewRequest          = 1
 	opUpdateStateAfterAlloc = 2
@@ -42,10 +44,6 @@ const (
 	OpMutated = 1
 	// OpInvalid: the op's kv_transfer_params were refused.
 	OpInvalid = 2
-
-	// maxOpIDs bounds a decoded count before anything is allocated for it
-	// (a corrupt batch cannot ask for more than its own length anyway).
-	maxOpIDs = 1 << 24
 )
 
 type schedOp struct {
@@ -88,12 +86,10 @@ func (r *opReader) u32(what string) int {
 		r.fail(what)
 		return 0
 	}
+	// Every count is checked against the bytes left before anything is
+	// allocated for it.
 	v := binary.LittleEndian.Uint32(r.b)
 	r.b = r.b[4:]
-	if v > maxOpIDs {
-		r.fail(what)
-		return 0
-	}
 	return int(v)
 }
 
@@ -165,62 +161,73 @@ func (op *schedOp) setParams(b []byte) {
 	op.params, op.perr = ParseTransferParams(b)
 }
 
-// decodeSchedOps decodes a whole batch, or nothing.
+// decodeSchedOps splits a batch into its ops; an op whose body does not
+// decode comes back with its error (perr) for applyOp to refuse. Only a
+// framing that does not hold fails the batch.
 func decodeSchedOps(b []byte) ([]schedOp, error) {
-	r := &opReader{b: b}
 	var ops []schedOp
-	for len(r.b) > 0 && r.err == nil {
-		op := schedOp{kind: r.u8("op kind")}
-		switch op.kind {
-		case opOnNewRequest:
-			op.reqID = string(r.bytes("req_id"))
-			op.setParams(r.bytes("params"))
-		case opUpdateStateAfterAlloc:
-			op.reqID = string(r.bytes("req_id"))
-			op.setParams(r.bytes("params"))
-			op.blocks = r.groups("block_ids")
-			op.computed = r.i64s("num_computed")
-			op.numExternal = r.i64("num_external")
-		case opRequestFinished:
-			op.reqID = string(r.bytes("req_id"))
-			op.setParams(r.bytes("params"))
-			op.normal = r.u8("normal") != 0
-			op.numComputed = r.i64("num_computed")
-			op.blocks = r.groups("block_ids")
-		case opUpdateConnectorOutput:
-			n := r.u32("req_id count")
-			if r.err == nil && len(r.b) < 4*n {
-				r.fail("req_ids")
-			}
-			if r.err == nil {
-				op.ids = make([]string, n)
-				for i := range op.ids {
-					op.ids[i] = string(r.bytes("req_id"))
-				}
-			}
-		default:
-			if r.err == nil {
-				r.err = fmt.Errorf("scheduler batch: unknown op kind %d", op.kind)
-			}
+	for len(b) > 0 {
+		if len(b) < 5 {
+			return nil, withClass(ErrInvalidInput, fmt.Errorf("scheduler batch: an op cut short (%d bytes)", len(b)))
 		}
-		if r.err != nil {
-			break
+		kind, n := b[0], binary.LittleEndian.Uint32(b[1:5])
+		if uint64(n) > uint64(len(b)-5) {
+			return nil, withClass(ErrInvalidInput, fmt.Errorf("scheduler batch: an op of %d bytes with %d left", n, len(b)-5))
 		}
-		if (op.numExternal < 0 || op.numComputed < 0) && r.err == nil {
-			r.err = fmt.Errorf("scheduler batch: negative token count in a %d op", op.kind)
-			break
-		}
-		ops = append(ops, op)
-	}
-	if r.err != nil {
-		return nil, withClass(ErrInvalidInput, r.err)
+		ops = append(ops, decodeSchedOp(kind, b[5:5+n]))
+		b = b[5+n:]
 	}
 	return ops, nil
 }
 
+func decodeSchedOp(kind byte, body []byte) schedOp {
+	r := &opReader{b: body}
+	op := schedOp{kind: kind}
+	switch kind {
+	case opOnNewRequest:
+		op.reqID = string(r.bytes("req_id"))
+		op.setParams(r.bytes("params"))
+	case opUpdateStateAfterAlloc:
+		op.reqID = string(r.bytes("req_id"))
+		op.setParams(r.bytes("params"))
+		op.blocks = r.groups("block_ids")
+		op.computed = r.i64s("num_computed")
+		op.numExternal = r.i64("num_external")
+	case opRequestFinished:
+		op.reqID = string(r.bytes("req_id"))
+		op.setParams(r.bytes("params"))
+		op.normal = r.u8("normal") != 0
+		op.numComputed = r.i64("num_computed")
+		op.blocks = r.groups("block_ids")
+	case opUpdateConnectorOutput:
+		n := r.u32("req_id count")
+		if r.err == nil && len(r.b) < 4*n {
+			r.fail("req_ids")
+		}
+		if r.err == nil {
+			op.ids = make([]string, n)
+			for i := range op.ids {
+				op.ids[i] = string(r.bytes("req_id"))
+			}
+		}
+	default:
+		r.err = fmt.Errorf("scheduler batch: unknown op kind %d", kind)
+	}
+	if r.err == nil && len(r.b) != 0 {
+		r.err = fmt.Errorf("scheduler batch: %d bytes left after a %d op", len(r.b), kind)
+	}
+	if r.err == nil && (op.numExternal < 0 || op.numComputed < 0) {
+		r.err = fmt.Errorf("scheduler batch: negative token count in a %d op", kind)
+	}
+	if r.err != nil {
+		op.perr = r.err
+	}
+	return op
+}
+
 // ApplyOps applies a batch in order and writes each op's result byte into
-// results, which must have one byte per op. A batch that does not decode,
-// or holds another number of ops, applies nothing.
+// results, which must have one byte per op. A batch whose framing does not
+// hold, or that holds another number of ops, applies nothing.
 func (s *Scheduler) ApplyOps(batch []byte, results []byte) error {
 	ops, err := decodeSchedOps(batch)
 	if err != nil {
@@ -237,8 +244,8 @@ func (s *Scheduler) ApplyOps(batch []byte, results []byte) error {
 
 func (s *Scheduler) applyOp(op *schedOp) byte {
 	if op.perr != nil {
-		s.log.Error("invalid kv_transfer_params: this request will not use KV transfer",
-			zap.String("req_id", op.reqID), zap.Error(op.perr))
+		s.log.Error("scheduler call refused: this request will not use KV transfer",
+			zap.String("req_id", op.reqID), zap.Uint8("op", op.kind), zap.Error(op.perr))
 		return OpInvalid
 	}
 	var err error

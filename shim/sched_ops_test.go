@@ -11,8 +11,20 @@ import (
 // opEnc builds a scheduler batch as the Python binding does
 // (pybridge/gonixl/engine.py; include/gonixl.h "Scheduler batches").
 type opEnc struct {
-	b []byte
-	n int
+	b     []byte
+	n     int
+	start int // where the open op's length goes
+}
+
+// begin opens an op of kind; end writes its body's length.
+func (e *opEnc) begin(kind byte) {
+	e.b = append(e.b, kind, 0, 0, 0, 0)
+	e.start = len(e.b) - 4
+}
+
+func (e *opEnc) end() {
+	binary.LittleEndian.PutUint32(e.b[e.start:], uint32(len(e.b)-e.start-4))
+	e.n++
 }
 
 func (e *opEnc) str(s string) {
@@ -35,24 +47,24 @@ func (e *opEnc) groups(g BlockIDs) {
 }
 
 func (e *opEnc) onNew(id, params string) {
-	e.b = append(e.b, opOnNewRequest)
+	e.begin(opOnNewRequest)
 	e.str(id)
 	e.str(params)
-	e.n++
+	e.end()
 }
 
 func (e *opEnc) alloc(id, params string, blocks BlockIDs, computed []int64, ext int64) {
-	e.b = append(e.b, opUpdateStateAfterAlloc)
+	e.begin(opUpdateStateAfterAlloc)
 	e.str(id)
 	e.str(params)
 	e.groups(blocks)
 	e.i64s(computed)
 	e.b = binary.LittleEndian.AppendUint64(e.b, uint64(ext))
-	e.n++
+	e.end()
 }
 
 func (e *opEnc) finished(id, params string, normal bool, computed int64, blocks BlockIDs) {
-	e.b = append(e.b, opRequestFinished)
+	e.begin(opRequestFinished)
 	e.str(id)
 	e.str(params)
 	if normal {
@@ -62,16 +74,16 @@ func (e *opEnc) finished(id, params string, normal bool, computed int64, blocks 
 	}
 	e.b = binary.LittleEndian.AppendUint64(e.b, uint64(computed))
 	e.groups(blocks)
-	e.n++
+	e.end()
 }
 
 func (e *opEnc) recvd(ids ...string) {
-	e.b = append(e.b, opUpdateConnectorOutput)
+	e.begin(opUpdateConnectorOutput)
 	e.b = binary.LittleEndian.AppendUint32(e.b, uint32(len(ids)))
 	for _, id := range ids {
 		e.str(id)
 	}
-	e.n++
+	e.end()
 }
 
 func decodeParams(i int) string {
@@ -204,52 +216,81 @@ func TestApplyOpsMutatedAndRefused(t *testing.T) {
 	}
 }
 
-// TestApplyOpsMalformedAppliesNothing: a batch that does not decode (cut
-// anywhere, an unknown op, a count past its end, a negative block id) or
-// does not match the number of results applies none of its ops.
-func TestApplyOpsMalformedAppliesNothing(t *testing.T) {
+// TestApplyOpsMalformed: an op whose body does not decode (cut anywhere
+// inside, an unknown kind, a count past its end, a negative block id, bytes
+// left over) is refused alone, the ops around it applied; a batch whose
+// framing does not hold (an op longer than the bytes left) or that holds
+// another number of ops than results applies nothing.
+func TestApplyOpsMalformed(t *testing.T) {
 	fzQuiet()
-	var enc opEnc
-	enc.onNew("a", decodeParams(1))
-	enc.alloc("a", decodeParams(1), BlockIDs{{1, 2}}, []int64{0}, 64)
-	whole := enc.b
-	cases := map[string][]byte{"unknown op": append(append([]byte{}, whole...), 9)}
-	for cut := 1; cut < len(whole); cut++ {
-		cases[fmt.Sprintf("cut at %d", cut)] = whole[:cut]
-	}
-	var neg opEnc
-	neg.onNew("a", decodeParams(1))
-	neg.alloc("a", decodeParams(1), BlockIDs{{1, -2}}, []int64{0}, 64)
-	cases["negative block id"] = neg.b
-	// The block count of the alloc op's one group (40 bytes from the end:
-	// that count, its 2 ids, the num_computed count and value, num_external).
-	huge := append(append([]byte{}, whole[:len(whole)-40]...), 0xff, 0xff, 0xff, 0x7f)
-	cases["count past the end"] = huge
-	for name, b := range cases {
+	newSched := func() *Scheduler {
 		s, err := NewScheduler(fzConfig(t, RoleScheduler, "kv_consumer", nil, nil), NewFakeClock(100).Now)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := s.ApplyOps(b, make([]byte, 2)); err == nil {
-			// A cut that falls on an op boundary is a valid batch of fewer ops.
-			if err := s.ApplyOps(b, make([]byte, 1)); err != nil {
-				t.Errorf("%s: %v", name, err)
-			}
-		} else if l := s.Live(); l.AwaitingKV != 0 || l.HeartbeatLeases != 0 {
-			t.Errorf("%s: refused (%v) but applied: %+v", name, err, l)
+		t.Cleanup(func() { _ = s.Close() })
+		return s
+	}
+	var good opEnc
+	good.alloc("a", decodeParams(1), BlockIDs{{1, 2}}, []int64{0}, 64)
+	body := good.b[5:]
+	bad := map[string][]byte{"unknown kind": append([]byte{9}, good.b[1:]...)}
+	for cut := 0; cut < len(body); cut++ {
+		op := append([]byte{opUpdateStateAfterAlloc, 0, 0, 0, 0}, body[:cut]...)
+		binary.LittleEndian.PutUint32(op[1:], uint32(cut))
+		bad[fmt.Sprintf("body cut at %d", cut)] = op
+	}
+	long := append([]byte{opUpdateStateAfterAlloc, 0, 0, 0, 0}, body...)
+	long = append(long, 7)
+	binary.LittleEndian.PutUint32(long[1:], uint32(len(body)+1))
+	bad["a byte left over"] = long
+	var neg opEnc
+	neg.alloc("a", decodeParams(1), BlockIDs{{1, -2}}, []int64{0}, 64)
+	bad["negative block id"] = neg.b
+	// The block count of the one group (40 bytes from the end: that count,
+	// its 2 ids, the num_computed count and value, num_external).
+	huge := append([]byte{}, good.b...)
+	binary.LittleEndian.PutUint32(huge[len(huge)-40:], 0x7fffffff)
+	bad["count past the end"] = huge
+	for name, op := range bad {
+		s := newSched()
+		var before, after opEnc
+		before.onNew("x", decodeParams(2))
+		after.alloc("y", decodeParams(3), BlockIDs{{5, 6}}, []int64{0}, 64)
+		batch := append(append(append([]byte{}, before.b...), op...), after.b...)
+		res := make([]byte, 3)
+		if err := s.ApplyOps(batch, res); err != nil {
+			t.Errorf("%s: the batch was refused: %v", name, err)
+			continue
 		}
-		_ = s.Close()
+		if res[0] != 0 || res[1] != OpInvalid || res[2] != OpMutated {
+			t.Errorf("%s: results %v, want [0 %d %d]", name, res, OpInvalid, OpMutated)
+		}
+		if l := s.Live(); l.AwaitingKV != 1 || l.HeartbeatLeases != 1 {
+			t.Errorf("%s: the ops around it not applied: %+v", name, l)
+		}
 	}
-	s, err := NewScheduler(fzConfig(t, RoleScheduler, "kv_consumer", nil, nil), NewFakeClock(100).Now)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = s.Close() }()
-	if err := s.ApplyOps(whole, make([]byte, 3)); err == nil {
-		t.Fatal("3 results for 2 ops: accepted")
-	}
-	if l := s.Live(); l.AwaitingKV != 0 || l.HeartbeatLeases != 0 {
-		t.Fatalf("refused but applied: %+v", l)
+	for name, c := range map[string]struct {
+		batch []byte
+		n     int
+	}{
+		"an op longer than the batch": {good.b[:len(good.b)-1], 1},
+		"a header cut short":          {append(append([]byte{}, good.b...), 2, 0), 2},
+		"3 results for 1 op":          {good.b, 3},
+	} {
+		s := newSched()
+		res := []byte{0xff, 0xff, 0xff}[:c.n]
+		if err := s.ApplyOps(c.batch, res); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+		if l := s.Live(); l.AwaitingKV != 0 || l.HeartbeatLeases != 0 {
+			t.Errorf("%s: refused but applied: %+v", name, l)
+		}
+		for _, r := range res {
+			if r != 0xff {
+				t.Errorf("%s: a result written: %v", name, res)
+			}
+		}
 	}
 }
 

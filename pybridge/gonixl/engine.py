@@ -191,6 +191,8 @@ def _ids_json(ids: Iterable[str]) -> bytes:
 #: A scheduler batch op's result bits (include/gonixl.h).
 OP_MUTATED = 1
 OP_INVALID = 2
+#: A result byte the library did not write (the batch was not applied).
+_NOT_APPLIED = 0xFF
 
 
 def _op_str(b: bytes) -> bytes:
@@ -229,20 +231,30 @@ class Scheduler:
         """Calls queued for the next crossing."""
         return len(self._then)
 
-    def _queue(self, op: bytes, then: Optional[Callable[[int], None]] = None) -> None:
-        self._ops += op
+    def _queue(self, kind: int, body: bytes, then: Optional[Callable[[int], None]] = None) -> None:
+        self._ops += struct.pack("<BI", kind, len(body)) + body
         self._then.append(then)
 
     def _take_ops(self) -> tuple[bytes, Any, list[Optional[Callable[[int], None]]]]:
         ops, then = bytes(self._ops), self._then
         self._ops, self._then = bytearray(), []
-        return ops, (ctypes.c_uint8 * len(then))(), then
+        # Unwritten results stay _NOT_APPLIED: a call that failed before
+        # applying the batch runs no callback.
+        return ops, (ctypes.c_uint8 * len(then))(*([_NOT_APPLIED] * len(then))), then
 
     @staticmethod
     def _results(res: Any, then: list[Optional[Callable[[int], None]]]) -> None:
+        """Runs each applied op's callback, all of them even if one raises
+        (the first exception is raised after)."""
+        failed: Optional[BaseException] = None
         for i, cb in enumerate(then):
-            if cb is not None:
-                cb(res[i])
+            if cb is not None and res[i] != _NOT_APPLIED:
+                try:
+                    cb(res[i])
+                except Exception as e:  # re-raised below
+                    failed = failed or e
+        if failed is not None:
+            raise failed
 
     def flush(self) -> None:
         """Applies the queued calls now (every call but
@@ -250,14 +262,16 @@ class Scheduler:
         if not self._then:
             return
         ops, res, then = self._take_ops()
-        _lib.call("gonixl_scheduler_apply", self.handle, ops, len(ops), res, len(then))
-        self._results(res, then)
+        try:
+            _lib.call("gonixl_scheduler_apply", self.handle, ops, len(ops), res, len(then))
+        finally:
+            self._results(res, then)
 
     def on_new_request(self, req_id: str, params: Params) -> None:
         """Queued (op 1). Params the library refuses are logged by it."""
         p = _j(params)
         if p:
-            self._queue(b"\x01" + _op_str(req_id.encode()) + _op_str(p))
+            self._queue(1, _op_str(req_id.encode()) + _op_str(p))
 
     def get_num_new_matched_tokens(self, params: Params, num_prompt_tokens: int, num_computed_tokens: int) -> tuple[int, bool]:
         p = _j(params)
@@ -321,14 +335,14 @@ class Scheduler:
         params (it logs why)."""
         p = _j(params)
         groups = _op_groups(block_ids if num_external_tokens > 0 else ())
-        op = b"\x02" + _op_str(req_id.encode()) + _op_str(p) + groups + _op_i64s(cached_blocks)
+        op = _op_str(req_id.encode()) + _op_str(p) + groups + _op_i64s(cached_blocks)
         op += struct.pack("<q", num_external_tokens)
 
         def done(res: int) -> None:
             if not res & OP_INVALID:
                 then(bool(res & OP_MUTATED))
 
-        self._queue(op, done)
+        self._queue(2, op, done)
 
     def request_finished_later(
         self, req_id: str, params: Params, block_ids: Sequence[Sequence[int]], finished_normally: bool, num_computed_tokens: int
@@ -338,13 +352,12 @@ class Scheduler:
         refuses any other."""
         p = _j(params)
         op = (
-            b"\x03"
-            + _op_str(req_id.encode())
+            _op_str(req_id.encode())
             + _op_str(p)
             + struct.pack("<Bq", 1 if finished_normally else 0, num_computed_tokens)
             + _op_groups(block_ids)
         )
-        self._queue(op)
+        self._queue(3, op)
 
     def push_prompt_done(self, req_id: str, params: Params, block_ids: Sequence[Sequence[int]], num_tokens: int = 0) -> None:
         """Push mode, a prefill: the step being scheduled completes this
@@ -379,9 +392,11 @@ class Scheduler:
         if not self._then:
             return _lib.call_into(self._meta_out, "gonixl_scheduler_build_meta", self.handle)
         ops, res, then = self._take_ops()
-        data = _lib.call_into(self._meta_out, "gonixl_scheduler_apply_build_meta", self.handle, ops, len(ops), res, len(then))
-        self._results(res, then)
-        return data
+        try:
+            return _lib.call_into(self._meta_out, "gonixl_scheduler_apply_build_meta", self.handle, ops, len(ops), res, len(then))
+        finally:
+            # Also when the metadata failed after the batch was applied.
+            self._results(res, then)
 
     def idle_for(self) -> float:
         """After build_meta answered b"": seconds the next steps stay idle
@@ -396,7 +411,7 @@ class Scheduler:
         """Queued (op 4)."""
         ids = [r.encode() for r in finished_recving]
         if ids:
-            self._queue(b"\x04" + struct.pack("<I", len(ids)) + b"".join(_op_str(r) for r in ids))
+            self._queue(4, struct.pack("<I", len(ids)) + b"".join(_op_str(r) for r in ids))
 
     def kv_digests(self, digests: Mapping[str, Any]) -> None:
         """The workers' digests of blocks held for a read-back, by request

@@ -253,7 +253,8 @@ def _with_digest(params: dict[str, Any], token_ids: Any, n: int) -> Optional[byt
 
 def _extra_bool(v: Any) -> bool:
     """A boolean of kv_connector_extra_config as the library reads it
-    (shim/config.go): the two sides must agree on the mode."""
+    (shim/config.go: a bool, a string, a number that is not 0): the two
+    sides must agree on the mode."""
     if isinstance(v, str):
         return v.strip().lower() in ("true", "1", "yes", "on")
     return bool(v)
@@ -805,6 +806,14 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
                 return None, False
         self._check_prompt_digest(request)
         self._check_readback_digest(request)
+        params = request.kv_transfer_params
+        if params and not self._bidirectional and not params.get("do_remote_prefill"):
+            # Nothing can load: only a decode's remote prefill and a
+            # bidirectional read-back do (the library answers (0, False) for
+            # everything else, a prefill's own requests included), and a 0
+            # where KV could load would only compute the prompt here. No
+            # call: a prefill's requests cross only for request_finished.
+            return 0, False
         pj = _params_json(request)
         if not pj:
             return 0, False
@@ -1260,6 +1269,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             if request.kv_transfer_params is not None and request.kv_transfer_params.get("do_remote_prefill"):
                 request.kv_transfer_params["do_remote_prefill"] = False
             return False, None
+        sched.flush()  # the queued calls of other requests: their errors are not this request's
         got = self._per_request(request, sched.request_finished, request.request_id, pj, transfer_ids, normal, computed)
         if got is None:
             if self._admission is not None:

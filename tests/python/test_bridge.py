@@ -365,3 +365,37 @@ def test_one_binding_of_the_c_abi():
                         called.add(a.value)
     declared = {p[0] for p in _lib.PROTOTYPES} - {"gonixl_abi_version", "gonixl_debug_panic"}
     assert declared <= called, f"C functions without a binding method: {sorted(declared - called)}"
+
+
+def test_scheduler_batch_refuses_a_bad_op_alone():
+    """The binding's scheduler batch (include/gonixl.h "Scheduler batches"):
+    an op the library cannot decode is refused alone (its result
+    OP_INVALID), the ops around it applied; a batch whose framing does not
+    hold raises, applies nothing and runs no callback."""
+    from gonixl import engine
+
+    params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r1", "remote_host": "127.0.0.1",
+              "remote_port": 5999, "remote_block_ids": [[1, 2]], "tp_size": 1}
+    s = engine.Scheduler(cfg(kv_role="kv_consumer", engine_id="engine-batch"))
+    try:
+        got: list[int] = []
+        s.on_new_request("d1", params)
+        s._queue(9, b"not an op", got.append)
+        s.update_state_after_alloc_later("d1", params, [[3, 4]], [0], 64, lambda m: got.append(100 + m))
+        assert s.pending_ops == 3
+        s.flush()
+        assert got == [engine.OP_INVALID, 101], got
+        assert s.pending_ops == 0
+        live = s.live()
+        assert live["heartbeat_leases"] == 1 and live["awaiting_kv"] == 1, live
+        # Framing: an op that claims more bytes than the batch holds.
+        got.clear()
+        s.on_new_request("d2", {**params, "remote_request_id": "r2"})
+        s._ops += b"\x01\xff\x00\x00\x00"
+        s._then.append(got.append)
+        with pytest.raises(errors.InvalidArgumentError):
+            s.flush()
+        assert got == [] and s.pending_ops == 0
+        assert s.live()["heartbeat_leases"] == 1, "the refused batch was applied"
+    finally:
+        s.close()

@@ -1187,7 +1187,8 @@ def test_per_request_scheduler_calls_ride_the_steps_crossing(connector_cls, dist
     they go with the step's build_connector_meta, one call, and nothing is
     lost (the KV arrives, the prefill is told, everything ends at rest).
     Only get_num_new_matched_tokens, whose answer vLLM needs at once,
-    crosses by itself (issue: per-step cost)."""
+    crosses by itself on a decode; on a prefill only request_finished does
+    (issue: per-step cost)."""
     p = h.Engine(connector_cls, "kv_producer", "engine-batch-p", P_BLOCKS)
     d = h.Engine(connector_cls, "kv_consumer", "engine-batch-d", D_BLOCKS)
     try:
@@ -1204,6 +1205,11 @@ def test_per_request_scheduler_calls_ride_the_steps_crossing(connector_cls, dist
             monkeypatch.setattr(_lib, name, counting)
         d.fill_all(-3.0)
         pres = [h.prefill(p, f"batch{i}-p", 40 + 8 * i, seed=i) for i in range(3)]
+        # A prefill's request crosses for its step and for request_finished
+        # (whose answer vLLM needs): get_num_new_matched_tokens, whose
+        # answer is (0, False) there, makes no call.
+        sched_calls = [c for c in calls if c.startswith("gonixl_scheduler_")]
+        assert sched_calls == ["gonixl_scheduler_apply_build_meta", "gonixl_scheduler_request_finished"] * 3, sched_calls
         before = d.snapshot()
         calls.clear()
         drs = [h.schedule_decode(d, f"batch{i}-d", 40 + 8 * i, pre.params) for i, pre in enumerate(pres)]
@@ -1313,3 +1319,15 @@ def test_kv_digest_fails_the_load_of_a_block_changed_after_its_prompt(pd):
     assert "digest-bad-d" in d.out.failed
     assert set(dr.new_blocks) <= d.out.invalid_until_recv("digest-bad-d")
     finish_decode(d, dr)
+
+
+def test_extra_bool_reads_as_the_library():
+    """kv_connector_extra_config booleans read as shim/config.go reads them
+    (TestConfigExtraBool has the same table): the connector batches a
+    decode's request_finished only where both sides see bidirectional
+    transfer off."""
+    for v, want in [
+        (None, False), (True, True), (False, False), ("yes", True), ("On", True), (" true ", True), ("0", False),
+        ("off", False), ("", False), (1, True), (0, False), (0.0, False), (2, True), (-0.0, False),
+    ]:
+        assert gonixl.vllm._extra_bool(v) is want, (v, want)
