@@ -1151,14 +1151,9 @@ def test_idle_steps_make_no_call_into_the_library(connector_cls, dist_env, monke
         d.shutdown()
 
 
-def _idle_steps(p, d, monkeypatch):
-    p.fill_all(-7.0)
-    d.fill_all(-3.0)
-    pre, dr, before = transfer(p, d, "idle1", 40)
-    wait_transfer_done(p, d, pre, dr)
-    finish_decode(d, dr)
-    h.run_steps([p, d], 3)  # everything reported: both sides idle
-
+def _count_library_calls(monkeypatch) -> list[str]:
+    """From now on, the name of every C function the binding calls, in
+    order (through _lib.call, call_bytes and call_into)."""
     from gonixl import _lib
 
     calls: list[str] = []
@@ -1170,6 +1165,18 @@ def _idle_steps(p, d, monkeypatch):
             return _real(*args, **kw)
 
         monkeypatch.setattr(_lib, name, counting)
+    return calls
+
+
+def _idle_steps(p, d, monkeypatch):
+    p.fill_all(-7.0)
+    d.fill_all(-3.0)
+    pre, dr, before = transfer(p, d, "idle1", 40)
+    wait_transfer_done(p, d, pre, dr)
+    finish_decode(d, dr)
+    h.run_steps([p, d], 3)  # everything reported: both sides idle
+
+    calls = _count_library_calls(monkeypatch)
     h.run_steps([p, d], 20)
     assert calls == [], f"idle steps called into the library: {calls}"
     # Work again: the calls come back, and nothing was lost meanwhile.
@@ -1192,17 +1199,7 @@ def test_per_request_scheduler_calls_ride_the_steps_crossing(connector_cls, dist
     p = h.Engine(connector_cls, "kv_producer", "engine-batch-p", P_BLOCKS)
     d = h.Engine(connector_cls, "kv_consumer", "engine-batch-d", D_BLOCKS)
     try:
-        from gonixl import _lib
-
-        calls: list[str] = []
-        for name in ("call", "call_bytes", "call_into"):
-            real = getattr(_lib, name)
-
-            def counting(*args, _real=real, **kw):
-                calls.append(next((a for a in args[:2] if isinstance(a, str)), "?"))
-                return _real(*args, **kw)
-
-            monkeypatch.setattr(_lib, name, counting)
+        calls = _count_library_calls(monkeypatch)
         d.fill_all(-3.0)
         pres = [h.prefill(p, f"batch{i}-p", 40 + 8 * i, seed=i) for i in range(3)]
         # A prefill's request crosses for its step and for request_finished
