@@ -6,6 +6,7 @@ import (
 	"math"
 	"reflect"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -319,6 +320,79 @@ func FuzzParseTransferParams(f *testing.F) {
 	})
 }
 
+// fzDigestParams is a pull decode's params with KV digests of n blocks in
+// the form the Python connector sends them (compact, keys in its order).
+func fzDigestParams(tb testing.TB, n int) []byte {
+	tb.Helper()
+	ids := make([]int64, n)
+	blocks := make([]uint64, n)
+	for i := range ids {
+		ids[i] = int64(5 * i)
+		blocks[i] = uint64(i+1) * 0x9e3779b97f4a7c15
+	}
+	d, err := json.Marshal(KVDigest{Alg: KVDigestAlg, Tokens: int64(16*n - 3), First: []int64{0},
+		Ranks: []RankDigest{{Blocks: [][]uint64{blocks}, Regions: [][]uint64{{1, 2, 3}}}}})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	idj, _ := json.Marshal([][]int64{ids})
+	return []byte(`{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":` + string(idj) +
+		`,"remote_engine_id":"engine-p","remote_request_id":"cmpl-7-0","remote_host":"127.0.0.1","remote_port":5600,` +
+		`"tp_size":1,"remote_num_tokens":` + strconv.Itoa(16*n-3) + `,"remote_blocks_expiry_time":1764990000.25,` +
+		`"gonixl_prompt_digest":"blake2b-128:00ff","gonixl_instance":"a1b2","gonixl_kv_digest":` + string(d) + `}`)
+}
+
+// FuzzParseTransferParamsScan holds the scanner (params_scan.go) to
+// encoding/json: every input parses to the same params, or fails with the
+// same error, whichever path read it.
+func FuzzParseTransferParamsScan(f *testing.F) {
+	full := string(fzDigestParams(f, 4))
+	for _, seed := range []string{
+		full, strings.ReplaceAll(full, ",", " ,\n\t "), strings.ReplaceAll(full, `"alg"`, `"ALG"`),
+		strings.ReplaceAll(full, `"blocks"`, `"Blocks"`), strings.Replace(full, `"tokens"`, `"x":[{"y":null}],"tokens"`, 1),
+		strings.Replace(full, `"first":[0]`, `"first":[-1]`, 1), strings.Replace(full, `"first":[0]`, `"first":null`, 1),
+		strings.Replace(full, `"first":[0]`, `"first":[]`, 1), strings.Replace(full, `"ranks":[`, `"ranks":[{},`, 1),
+		strings.Replace(full, `"regions":[`, `"regions":["=",`, 1), strings.Replace(full, `"tokens":61`, `"tokens":61.0`, 1),
+		strings.Replace(full, `"alg":"xxh3-64"`, `"alg":"xxh3\u002d64"`, 1), strings.Replace(full, `"alg":"xxh3-64",`, ``, 1),
+		strings.Replace(full, `"ranks":[{`, `"ranks":[{"blocks":[],`, 1), full[:len(full)-1],
+		full + " ", full + "x", " " + full, `{"remote_engine_id":"e\u0041"}`, `{"remote_engine_id":"\u00e9\ud800"}`,
+		"{\"remote_engine_id\":\"\xff\"}", "{\"remote_engine_id\":\"h\u00e9\"}", "{\"\xc3\xa9\":1}", `{"remote_\u0065ngine_id":"e"}`,
+		`{"remote_engine_id":"a","remote_engine_id":"b"}`, `{"x":1,"x":2}`, `{"remote_port":5600.0}`, `{"remote_port":-0}`,
+		`{"remote_port":"5600"}`, `{"remote_port":1e2}`, `{"remote_port":01}`, `{"remote_port":-}`, `{"remote_port":9223372036854775808}`,
+		`{"remote_blocks_expiry_time":1e999}`, `{"remote_blocks_expiry_time":-0.0}`, `{"remote_blocks_expiry_time":"1"}`,
+		`{"gonixl_expiry_unix":1.5E+9}`, `{"remote_block_ids":[[1,2],[],[3]]}`, `{"remote_block_ids":[]}`, `{"remote_block_ids":[[]]}`,
+		`{"remote_block_ids":[[1],null]}`, `{"remote_block_ids":[[1],2]}`, `{"remote_block_ids":[1,[2]]}`, `{"remote_block_ids":[ [ 1 , 2 ] ]}`,
+		`{"remote_block_ids":[1.0]}`, `{"remote_block_ids":[-0]}`, `{"remote_block_ids":[-1]}`, `{"do_remote_prefill":tru}`,
+		`{"do_remote_prefill":null,"tp_size":null,"dcp_size":null,"gonixl_readback_tokens":null}`, `{"a":[1,{"b":[true,false,null,"\\"]}]}`,
+		`{"a":"\x"}`, `{"a":"` + "\x01" + `"}`, `{"a":` + strings.Repeat("[", 80) + strings.Repeat("]", 80) + `}`, `{}`, ` {}`, `{"a":1,}`,
+		`{,}`, `{"a" 1}`, `[1]`, `null`, ` null`, `{"a":{"b":1,}}`, `{"a":[1,]}`, `{"a":"\u12"}`, `{"a":1}{}`,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		got, gotErr := parseParams(data, true)
+		want, wantErr := parseParams(data, false)
+		if (gotErr == nil) != (wantErr == nil) || (gotErr != nil && gotErr.Error() != wantErr.Error()) {
+			t.Fatalf("%q: scanned error %v, encoding/json's %v", data, gotErr, wantErr)
+		}
+		if (got == nil) != (want == nil) {
+			t.Fatalf("%q: scanned %+v, encoding/json's %+v", data, got, want)
+		}
+		if got == nil {
+			return
+		}
+		if (got.KVDigestErr == nil) != (want.KVDigestErr == nil) ||
+			(got.KVDigestErr != nil && got.KVDigestErr.Error() != want.KVDigestErr.Error()) {
+			t.Fatalf("%q: digest error %v, encoding/json's %v", data, got.KVDigestErr, want.KVDigestErr)
+		}
+		g, w := *got, *want
+		g.KVDigestErr, w.KVDigestErr = nil, nil
+		if !reflect.DeepEqual(g, w) {
+			t.Fatalf("%q:\nscanned        %+v\nencoding/json  %+v", data, g, w)
+		}
+	})
+}
+
 // Step metadata that announces more than it holds, or nests without end,
 // is refused before the msgpack library sees it: it would allocate what a
 // header announces (4 GiB from 5 bytes) and recurse into unknown fields
@@ -463,4 +537,29 @@ func FuzzParseNotif(f *testing.F) {
 			}
 		}
 	})
+}
+
+// The params the Python connector sends are read by the scanner, digest
+// and block lists included: were they left to encoding/json, nothing
+// would fail but the first parse of every request would be slow again.
+func TestParamsScanReadsThePlainForm(t *testing.T) {
+	data := fzDigestParams(t, 32)
+	fields, ok := scanObject(data)
+	if !ok {
+		t.Fatal("the plain form was not scanned")
+	}
+	raw := rawParams{fields: fields, scanned: true}
+	ids, _ := raw.get("remote_block_ids")
+	if _, ok := plainBlockIDs(ids); !ok {
+		t.Fatalf("block ids %s not read by the scanner", ids)
+	}
+	d, _ := raw.get(KeyKVDigest)
+	var kd kvDigestJSON
+	if !plainKVDigest(d, &kd) || len(kd.Ranks) != 1 || len(kd.Ranks[0].Blocks) != 1 {
+		t.Fatalf("digest %s not read by the scanner: %+v", d, kd)
+	}
+	p, err := ParseTransferParams(data)
+	if err != nil || p.KVDigest == nil || p.KVDigestErr != nil || len(p.RemoteBlockIDs[0]) != 32 || p.RemotePort != 5600 {
+		t.Fatalf("%+v %v", p, err)
+	}
 }

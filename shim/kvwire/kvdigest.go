@@ -94,17 +94,28 @@ func (r RankDigest) MarshalJSON() ([]byte, error) {
 	return json.Marshal(j)
 }
 
+// kvDigestJSON is KeyKVDigest's value as it is written.
+type kvDigestJSON struct {
+	Alg    string           `json:"alg"`
+	Tokens int64            `json:"tokens"`
+	First  []int64          `json:"first"`
+	Ranks  []rankDigestJSON `json:"ranks"`
+}
+
 // ParseKVDigest decodes KeyKVDigest's value and checks its shape against
 // the params' block lists (one entry per group, one digest per block).
 func ParseKVDigest(data json.RawMessage, blocks BlockIDs) (*KVDigest, error) {
-	var raw struct {
-		Alg    string           `json:"alg"`
-		Tokens int64            `json:"tokens"`
-		First  []int64          `json:"first"`
-		Ranks  []rankDigestJSON `json:"ranks"`
-	}
-	if err := json.Unmarshal(data, &raw); err != nil {
-		return nil, fmt.Errorf("%s: %w", KeyKVDigest, err)
+	return parseKVDigest(data, blocks, true)
+}
+
+func parseKVDigest(data json.RawMessage, blocks BlockIDs, scan bool) (*KVDigest, error) {
+	var raw kvDigestJSON
+	scanned := scan && plainKVDigest(data, &raw)
+	if !scanned {
+		raw = kvDigestJSON{}
+		if err := json.Unmarshal(data, &raw); err != nil {
+			return nil, fmt.Errorf("%s: %w", KeyKVDigest, err)
+		}
 	}
 	if raw.Alg != KVDigestAlg {
 		return nil, fmt.Errorf("%s: hash %q is not %q", KeyKVDigest, raw.Alg, KVDigestAlg)
@@ -139,6 +150,61 @@ func ParseKVDigest(data json.RawMessage, blocks BlockIDs) (*KVDigest, error) {
 		d.Ranks[i] = rd
 	}
 	return d, nil
+}
+
+// plainKVDigest reads v into raw when it is in the form this package
+// writes: the four keys in lower case, each at most once, nothing else.
+// Other spellings (encoding/json matches struct keys without regard to
+// case, and ignores unknown ones) are left to encoding/json.
+func plainKVDigest(v []byte, raw *kvDigestJSON) bool {
+	fields, ok := scanObject(v)
+	if !ok {
+		return false
+	}
+	for _, f := range fields {
+		switch string(f.key) {
+		case "alg":
+			raw.Alg, ok = plainStringValue(f.val)
+		case "tokens":
+			raw.Tokens, ok = plainInt(f.val)
+		case "first":
+			raw.First, ok = plainIDList(f.val)
+		case "ranks":
+			var ranks [][]rawField
+			if ranks, ok = plainObjects(f.val); ok {
+				raw.Ranks = make([]rankDigestJSON, len(ranks))
+				for i, r := range ranks {
+					if ok = plainRankDigest(r, &raw.Ranks[i]); !ok {
+						break
+					}
+				}
+			}
+		default:
+			return false
+		}
+		if !ok {
+			return false
+		}
+	}
+	return true
+}
+
+func plainRankDigest(fields []rawField, r *rankDigestJSON) bool {
+	ok := true
+	for _, f := range fields {
+		switch string(f.key) {
+		case "blocks":
+			r.Blocks, ok = plainStrings(f.val)
+		case "regions":
+			r.Regions, ok = plainStrings(f.val)
+		default:
+			return false
+		}
+		if !ok {
+			return false
+		}
+	}
+	return true
 }
 
 // PushDigest is what follows PushDigestPrefix: a prefill rank's digests of

@@ -109,46 +109,58 @@ func (p *TransferParams) HasHeartbeatTarget() bool {
 
 // ParseTransferParams decodes kv_transfer_params JSON. A null or empty
 // input is (nil, nil): the request has no transfer. Wrong types are errors
-// naming the key.
-func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
+// naming the key. Params in the plain form are read by a scanner
+// (params_scan.go); the result is encoding/json's in every case.
+func ParseTransferParams(data []byte) (*TransferParams, error) {
+	return parseParams(data, true)
+}
+
+// parseParams is ParseTransferParams; with scan false every byte goes
+// through encoding/json (the reference the scanner is held to).
+func parseParams(data []byte, scan bool) (_ *TransferParams, err error) {
 	if len(data) == 0 || string(data) == "null" {
 		return nil, nil
 	}
-	var raw map[string]json.RawMessage
-	if err := json.Unmarshal(data, &raw); err != nil {
-		return nil, fmt.Errorf("kv_transfer_params: not a JSON object: %w", err)
+	var raw rawParams
+	if scan {
+		raw.fields, raw.scanned = scanObject(data)
 	}
-	if len(raw) == 0 {
+	if !raw.scanned {
+		if err := json.Unmarshal(data, &raw.m); err != nil {
+			return nil, fmt.Errorf("kv_transfer_params: not a JSON object: %w", err)
+		}
+	}
+	if raw.len() == 0 {
 		return nil, nil
 	}
 	p := &TransferParams{TPSize: 1, DCPSize: 1, PPSize: 1}
-	if p.DoRemotePrefill, _, err = getBool(raw, "do_remote_prefill"); err != nil {
+	if p.DoRemotePrefill, _, err = getBool(&raw, "do_remote_prefill"); err != nil {
 		return nil, err
 	}
-	if p.DoRemoteDecode, _, err = getBool(raw, "do_remote_decode"); err != nil {
+	if p.DoRemoteDecode, _, err = getBool(&raw, "do_remote_decode"); err != nil {
 		return nil, err
 	}
-	if p.BlocksProcessed, _, err = getBool(raw, "_remote_blocks_processed"); err != nil {
+	if p.BlocksProcessed, _, err = getBool(&raw, "_remote_blocks_processed"); err != nil {
 		return nil, err
 	}
-	if p.RemoteEngineID, p.hasEngine, err = getString(raw, "remote_engine_id"); err != nil {
+	if p.RemoteEngineID, p.hasEngine, err = getString(&raw, "remote_engine_id"); err != nil {
 		return nil, err
 	}
-	if p.RemoteRequestID, p.hasRequest, err = getString(raw, "remote_request_id"); err != nil {
+	if p.RemoteRequestID, p.hasRequest, err = getString(&raw, "remote_request_id"); err != nil {
 		return nil, err
 	}
-	if p.RemoteHost, p.hasHost, err = getString(raw, "remote_host"); err != nil {
+	if p.RemoteHost, p.hasHost, err = getString(&raw, "remote_host"); err != nil {
 		return nil, err
 	}
 	var port int64
-	if port, p.hasPort, err = getInt(raw, "remote_port"); err != nil {
+	if port, p.hasPort, err = getInt(&raw, "remote_port"); err != nil {
 		return nil, err
 	}
 	if p.hasPort && (port < 0 || port > 65535) {
 		return nil, fmt.Errorf("kv_transfer_params: remote_port %d out of range", port)
 	}
 	p.RemotePort = int(port)
-	if v, ok, err := getInt(raw, "tp_size"); err != nil {
+	if v, ok, err := getInt(&raw, "tp_size"); err != nil {
 		return nil, err
 	} else if ok {
 		if v < 1 || v > 1<<16 {
@@ -160,7 +172,7 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 		key string
 		dst *int
 	}{{"dcp_size", &p.DCPSize}, {"pp_size", &p.PPSize}, {"remote_block_size", &p.RemoteBlockSize}} {
-		if v, ok, err := getInt(raw, k.key); err != nil {
+		if v, ok, err := getInt(&raw, k.key); err != nil {
 			return nil, err
 		} else if ok {
 			if v < 0 || v > 1<<20 {
@@ -175,7 +187,7 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 	if p.PPSize == 0 {
 		p.PPSize = 1
 	}
-	if v, ok, err := getInt(raw, "remote_num_tokens"); err != nil {
+	if v, ok, err := getInt(&raw, "remote_num_tokens"); err != nil {
 		return nil, err
 	} else if ok {
 		if v < 0 {
@@ -184,7 +196,7 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 		p.RemoteNumTokens = v
 	}
 	p.ReadbackTokens = -1
-	if v, ok, err := getInt(raw, KeyReadbackTokens); err != nil {
+	if v, ok, err := getInt(&raw, KeyReadbackTokens); err != nil {
 		return nil, err
 	} else if ok {
 		if v < 0 {
@@ -192,7 +204,7 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 		}
 		p.ReadbackTokens = v
 	}
-	if v, ok, err := getFloat(raw, KeyExpiryUnix); err != nil {
+	if v, ok, err := getFloat(&raw, KeyExpiryUnix); err != nil {
 		return nil, err
 	} else if ok {
 		if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
@@ -200,7 +212,7 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 		}
 		p.ExpiryUnix = v
 	}
-	if v, ok, err := getString(raw, KeyPromptDigest); err != nil {
+	if v, ok, err := getString(&raw, KeyPromptDigest); err != nil {
 		return nil, err
 	} else if ok {
 		if len(v) > 256 {
@@ -208,7 +220,7 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 		}
 		p.PromptDigest = v
 	}
-	if v, ok, err := getString(raw, KeyInstance); err != nil {
+	if v, ok, err := getString(&raw, KeyInstance); err != nil {
 		return nil, err
 	} else if ok {
 		if len(v) > 64 {
@@ -216,33 +228,67 @@ func ParseTransferParams(data []byte) (_ *TransferParams, err error) {
 		}
 		p.Instance = v
 	}
-	if v, ok, err := getFloat(raw, "remote_blocks_expiry_time"); err != nil {
+	if v, ok, err := getFloat(&raw, "remote_blocks_expiry_time"); err != nil {
 		return nil, err
 	} else if ok {
 		p.RemoteExpiry = &v
 	}
-	if ids, ok := raw["remote_block_ids"]; ok && string(ids) != "null" {
-		b, err := parseBlockIDs(ids)
+	if ids, ok := raw.get("remote_block_ids"); ok && string(ids) != "null" {
+		b, err := parseBlockIDs(ids, raw.scanned)
 		if err != nil {
 			return nil, err
 		}
 		p.RemoteBlockIDs = b
 		p.HasRemoteBlocks = !b.Empty()
 	}
-	if v, ok, err := getBool(raw, KeyKVDigestServed); err != nil {
+	if v, ok, err := getBool(&raw, KeyKVDigestServed); err != nil {
 		return nil, err
 	} else if ok {
 		p.KVDigestServed = v
 	}
-	if d, ok := raw[KeyKVDigest]; ok && string(d) != "null" {
-		p.KVDigest, p.KVDigestErr = ParseKVDigest(d, p.RemoteBlockIDs)
+	if d, ok := raw.get(KeyKVDigest); ok && string(d) != "null" {
+		p.KVDigest, p.KVDigestErr = parseKVDigest(d, p.RemoteBlockIDs, raw.scanned)
 	}
 	return p, nil
 }
 
+// rawParams is a params object split into keys and raw values: by the
+// scanner (fields) or, for input it leaves, by encoding/json (m). Scanned
+// values are read by the plain readers first, encoding/json after.
+type rawParams struct {
+	fields  []rawField
+	m       map[string]json.RawMessage
+	scanned bool
+}
+
+func (r *rawParams) len() int {
+	if r.scanned {
+		return len(r.fields)
+	}
+	return len(r.m)
+}
+
+func (r *rawParams) get(key string) (json.RawMessage, bool) {
+	if !r.scanned {
+		v, ok := r.m[key]
+		return v, ok
+	}
+	for _, f := range r.fields {
+		if string(f.key) == key {
+			return f.val, true
+		}
+	}
+	return nil, false
+}
+
 // parseBlockIDs accepts vLLM's two spellings: a flat list [1,2,3] (one
 // group, as older versions send) or a list of lists [[1,2],[3]].
-func parseBlockIDs(data json.RawMessage) (BlockIDs, error) {
+func parseBlockIDs(data json.RawMessage, scan bool) (BlockIDs, error) {
+	if scan {
+		if b, ok := plainBlockIDs(data); ok {
+			return b, nil
+		}
+	}
 	var outer []json.RawMessage
 	if err := json.Unmarshal(data, &outer); err != nil {
 		return nil, fmt.Errorf("kv_transfer_params: remote_block_ids must be a list: %w", err)
@@ -287,10 +333,13 @@ func parseIDList(data json.RawMessage) ([]int64, error) {
 	return out, nil
 }
 
-func getBool(raw map[string]json.RawMessage, key string) (bool, bool, error) {
-	v, ok := raw[key]
+func getBool(raw *rawParams, key string) (bool, bool, error) {
+	v, ok := raw.get(key)
 	if !ok || string(v) == "null" {
 		return false, ok, nil
+	}
+	if raw.scanned && (string(v) == "true" || string(v) == "false") {
+		return string(v) == "true", true, nil
 	}
 	var b bool
 	if err := json.Unmarshal(v, &b); err != nil {
@@ -299,8 +348,8 @@ func getBool(raw map[string]json.RawMessage, key string) (bool, bool, error) {
 	return b, true, nil
 }
 
-func getString(raw map[string]json.RawMessage, key string) (string, bool, error) {
-	v, ok := raw[key]
+func getString(raw *rawParams, key string) (string, bool, error) {
+	v, ok := raw.get(key)
 	if !ok {
 		return "", false, nil
 	}
@@ -309,6 +358,11 @@ func getString(raw map[string]json.RawMessage, key string) (string, bool, error)
 		// remote_*: null to prefills. Present, but empty.
 		return "", true, nil
 	}
+	if raw.scanned {
+		if s, ok := plainStringValue(v); ok {
+			return s, true, nil
+		}
+	}
 	var s string
 	if err := json.Unmarshal(v, &s); err != nil {
 		return "", true, fmt.Errorf("kv_transfer_params: %s must be a string, got %s", key, v)
@@ -316,10 +370,15 @@ func getString(raw map[string]json.RawMessage, key string) (string, bool, error)
 	return s, true, nil
 }
 
-func getFloat(raw map[string]json.RawMessage, key string) (float64, bool, error) {
-	v, ok := raw[key]
+func getFloat(raw *rawParams, key string) (float64, bool, error) {
+	v, ok := raw.get(key)
 	if !ok || string(v) == "null" {
 		return 0, false, nil
+	}
+	if raw.scanned {
+		if f, ok := plainFloat(v); ok {
+			return f, true, nil
+		}
 	}
 	var f float64
 	if err := json.Unmarshal(v, &f); err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
@@ -328,10 +387,15 @@ func getFloat(raw map[string]json.RawMessage, key string) (float64, bool, error)
 	return f, true, nil
 }
 
-func getInt(raw map[string]json.RawMessage, key string) (int64, bool, error) {
-	v, ok := raw[key]
+func getInt(raw *rawParams, key string) (int64, bool, error) {
+	v, ok := raw.get(key)
 	if !ok || string(v) == "null" {
 		return 0, ok && string(v) == "null", nil
+	}
+	if raw.scanned {
+		if n, ok := plainInt(v); ok {
+			return n, true, nil
+		}
 	}
 	var n json.Number
 	if err := json.Unmarshal(v, &n); err != nil {
