@@ -15,7 +15,6 @@ vLLM forks, and a Go runtime does not survive fork).
 
 from __future__ import annotations
 
-import array
 import ctypes
 import itertools
 import json
@@ -200,7 +199,7 @@ def _op_str(b: bytes) -> bytes:
 
 
 def _op_i64s(v: Sequence[int]) -> bytes:
-    return struct.pack("<I", len(v)) + array.array("q", v).tobytes()
+    return struct.pack(f"<I{len(v)}q", len(v), *v)
 
 
 def _op_groups(groups: Optional[Sequence[Sequence[int]]]) -> bytes:

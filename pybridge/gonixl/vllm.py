@@ -16,7 +16,6 @@ its workers; a Go runtime does not survive fork).
 
 from __future__ import annotations
 
-import array
 import base64
 import ctypes
 import hashlib
@@ -56,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_req
 from vllm.logger import init_logger
 
 from . import _lib, errors
-from .digest import READBACK_DIGEST_KEY, READBACK_TOKENS_KEY, DigestError, matched_tokens, token_digest
+from .digest import READBACK_DIGEST_KEY, READBACK_TOKENS_KEY, DigestError, matched_tokens, token_bytes, token_digest
 from .engine import BlockReshaper, HostStaging, Scheduler, Worker, layer_descriptions
 from .push_admission import PushAdmission, default_budget, prompt_blocks
 
@@ -238,7 +237,7 @@ def prompt_digest(token_ids: Any, n: int) -> Optional[str]:
     """The digest of the first n prompt token ids, or None without ids."""
     if token_ids is None or n <= 0 or n > len(token_ids):
         return None
-    h = hashlib.blake2b(array.array("q", token_ids[:n]).tobytes(), digest_size=16)
+    h = hashlib.blake2b(token_bytes(token_ids, n), digest_size=16)
     return "blake2b-128:" + h.hexdigest()
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import array
 import random
 
 import pytest
-from gonixl.digest import DigestError, matched_tokens, token_digest
+from gonixl.digest import DigestError, matched_tokens, token_bytes, token_digest
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -87,3 +88,15 @@ def test_forged_final_digest_matches_only_checkpoints():
     d = token_digest(held, 600, 32)
     d["final"] = "00" * 16
     assert matched_tokens(d, held) == (600 // d["step"]) * d["step"]
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000])
+def test_token_bytes_are_the_int64s_every_digest_was_made_of(n):
+    # Digests cross processes (a prefill's prompt digest, a decode's token
+    # digest): the bytes hashed must stay what array("q") wrote before.
+    ids = [random.randrange(1 << 62) for _ in range(n)] + [0, (1 << 63) - 1, 5]
+    assert token_bytes(ids, n) == array.array("q", ids[:n]).tobytes()
+    assert token_bytes(ids, len(ids)) == array.array("q", ids).tobytes()
+    assert token_bytes(tuple(ids), n) == array.array("q", ids[:n]).tobytes()
+    with pytest.raises(Exception):
+        token_bytes([1, 1 << 64], 2)
