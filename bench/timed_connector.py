@@ -17,7 +17,8 @@ process and role; nothing when the variable is unset):
 
 - one line per engine step and role: ``{"k": "step", "r": role, "t": wall
   time at the step's end, "s": seconds spent in wrapped methods during the
-  step, "m": {method: seconds}}``. A scheduler step ends at
+  step, "c": the CPU seconds of the calling thread in them, "m": {method:
+  seconds}}``. A scheduler step ends at
   ``build_connector_meta`` (the scheduler calls it once per step); a worker
   step ends at ``bind_connector_metadata`` (once per step, before the model
   runs); the time of a step's own closing call is counted in the next step.
@@ -26,6 +27,15 @@ process and role; nothing when the variable is unset):
   get_num_new_matched_tokens, "ready": when update_connector_output first
   reported the request in finished_recving (its KV is here), "fin": when
   request_finished was called}`` — written when the request finishes.
+
+- with GONIXL_BENCH_SLOW_MS set (a diagnostic run), one line per wrapped
+  call that took at least that many milliseconds: ``{"k": "slow", "r":
+  role, "t": its end, "n": method, "w": wall seconds, "c": the calling
+  thread's CPU seconds (Go's work inside a call into libgonixl.so runs on
+  that thread), "q": seconds the thread waited runnable for a CPU
+  (/proc/thread-self/schedstat)}``. What is left of "w" is time blocked
+  (a lock, the GIL, I/O). Reading schedstat costs a few microseconds per
+  call, outside the timed region, so plain runs leave it off.
 
 Lines are buffered and written outside the timed region, at most once a
 second, so the wrapper's own I/O never lands inside a measured call.
@@ -106,12 +116,28 @@ if os.environ.get("GONIXL_BENCH_LIBCALLS") == "1":
     _time_lib_calls()
 
 
+_SLOW_S = float(os.environ.get("GONIXL_BENCH_SLOW_MS") or 0) / 1e3
+_schedstat = threading.local()
+
+
+def _runqueue_wait() -> float:
+    """Seconds this thread has waited runnable for a CPU (0 without /proc)."""
+    fd = getattr(_schedstat, "fd", None)
+    try:
+        if fd is None:
+            fd = _schedstat.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        return int(os.pread(fd, 128, 0).split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class _Recorder:
     """Per-role accumulation of one step's time and the file it goes to."""
 
     def __init__(self, role: str) -> None:
         self.role = role
         self.step_s = 0.0
+        self.step_c = 0.0
         self.step_m: dict[str, float] = {}
         self.reqs: dict[str, dict[str, float]] = {}
         self.lines: list[str] = []
@@ -130,19 +156,24 @@ class _Recorder:
             time.sleep(1.0)
             self.maybe_flush(force=True)
 
-    def add(self, name: str, dt: float) -> None:
+    def add(self, name: str, dt: float, cpu: float) -> None:
         with self.lock:
             self.step_s += dt
+            self.step_c += cpu
             self.step_m[name] = self.step_m.get(name, 0.0) + dt
+
+    def slow(self, name: str, wall: float, cpu: float, queued: float) -> None:
+        with self.lock:
+            self.lines.append(json.dumps({"k": "slow", "r": self.role, "t": time.time(), "n": name, "w": wall, "c": cpu, "q": queued}))
 
     def end_step(self) -> None:
         with self.lock:
-            rec = {"k": "step", "r": self.role, "t": time.time(), "s": self.step_s, "m": self.step_m}
+            rec = {"k": "step", "r": self.role, "t": time.time(), "s": self.step_s, "c": self.step_c, "m": self.step_m}
             if _LIB_TIMES:
                 rec["lib"] = dict(_LIB_TIMES)
                 _LIB_TIMES.clear()
             self.lines.append(json.dumps(rec))
-            self.step_s, self.step_m = 0.0, {}
+            self.step_s, self.step_c, self.step_m = 0.0, 0.0, {}
         self.maybe_flush()
 
     def req(self, rid: str, key: str, t: float, *, first: bool = True) -> None:
@@ -181,14 +212,19 @@ def _timed(name: str, fn: Any, rec_of: Any) -> Any:
         # may call request_finished.
         depth = getattr(rec.depth, "n", 0)
         rec.depth.n = depth + 1
+        q0 = _runqueue_wait() if _SLOW_S else 0.0
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         try:
             return fn(self, *args, **kwargs)
         finally:
             dt = time.perf_counter() - t0
+            dc = time.thread_time() - c0
             rec.depth.n = depth
             if depth == 0:
-                rec.add(name, dt)
+                rec.add(name, dt, dc)
+                if _SLOW_S and dt >= _SLOW_S:
+                    rec.slow(name, dt, dc, _runqueue_wait() - q0)
                 if name == "build_connector_meta" or name == "bind_connector_metadata":
                     rec.end_step()
 

@@ -44,6 +44,7 @@ def load(dirpath: str) -> dict[str, list[dict]]:
         with open(cpath) as f:
             client = json.load(f)
         steps: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
+        slow: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
         reqs: dict[str, list[dict]] = {"prefill": [], "decode": []}
         for inst in ("prefill", "decode"):
             for p in glob.glob(os.path.join(d, inst, "*.jsonl")):
@@ -52,9 +53,11 @@ def load(dirpath: str) -> dict[str, list[dict]]:
                         rec = json.loads(line)
                         if rec["k"] == "step":
                             steps[(inst, rec["r"])].append(rec)
+                        elif rec["k"] == "slow":
+                            slow[(inst, rec["r"])].append(rec)
                         else:
                             reqs[inst].append(rec)
-        runs[client["label"]].append({"client": client, "steps": steps, "reqs": reqs})
+        runs[client["label"]].append({"client": client, "steps": steps, "slow": slow, "reqs": reqs})
     return runs
 
 
@@ -75,6 +78,11 @@ class Case:
         self.handoff: list[float] = []
         self.kv_ready: list[float] = []
         self.step: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        # Per step, the CPU seconds of the thread in the wrapped methods
+        # (records written before the wrapper measured it have none).
+        self.step_cpu: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        # Calls of GONIXL_BENCH_SLOW_MS or more (diagnostic runs only).
+        self.slow: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
         # Per step, the seconds of each wrapped method (the step record's "m").
         self.step_m: dict[tuple[str, str], list[dict[str, float]]] = collections.defaultdict(list)
         self.metrics: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
@@ -114,6 +122,9 @@ def collect(runs: dict[str, list[dict]]) -> dict[tuple[str, int, int], Case]:
                     inwin = [s for s in recs if c["start"] <= s["t"] <= c["end"]]
                     cs.step[(inst, role)].extend(s["s"] for s in inwin)
                     cs.step_m[(inst, role)].extend(s.get("m", {}) for s in inwin)
+                    cs.step_cpu[(inst, role)].extend(s["c"] for s in inwin if "c" in s)
+                for (inst, role), recs in rnd.get("slow", {}).items():
+                    cs.slow[(inst, role)].extend(s for s in recs if c["start"] <= s["t"] <= c["end"])
                 for inst, m in c.get("metrics", {}).items():
                     for mk, v in m.items():
                         cs.metrics[inst][mk] += v
@@ -238,6 +249,7 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
                 rows.append([str(n), str(c), l, f"{sd[0]} {sd[1]}", str(len(slow)), us(max(x for x, _ in slow)),
                              ", ".join(f"{k} {v / tot:.0%}" for k, v in top)])
     out.append(table(rows, ["prompt", "conc", "deployment", "side", "steps", "longest µs", "methods (share of their time)"]))
+    out += cpu_section(labels, cases, keys, sides)
     out += ["", "**Connector time per request** (µs: all time inside the connector on both instances during the "
             "case, scheduler and worker sides, divided by the case's requests; a stock decode steps its engine "
             "many more times while it waits for KV, so per step and per request tell different stories):", ""]
@@ -297,6 +309,48 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
         out.append(f"Requests without a connector record on both instances (left out of hand-off and KV ready): {unmatched}.")
     plots(dirpath, labels, cases, keys)
     return "\n".join(out) + "\n"
+
+
+def cpu_section(labels: list[str], cases: dict, keys: list[tuple[int, int]], sides: tuple) -> list[str]:
+    """Per step, the calling thread's CPU time in the connector beside the
+    wall time, and the slow calls of a diagnostic run (GONIXL_BENCH_SLOW_MS):
+    wall time that is not CPU time is time the step waited, runnable for a
+    CPU (another process had it) or blocked (a lock, the GIL, I/O)."""
+    out = ["", "**CPU time per engine step** (µs of the calling thread's CPU inside the connector's methods, "
+           "p50 / p99; Go's work inside a call into the library runs on that thread), and its p99 ÷ the wall p99:", ""]
+    rows = []
+    for n, c in keys:
+        for l in labels:
+            cs = cases.get((l, n, c))
+            if cs is None or not any(cs.step_cpu.values()):
+                continue
+            row = [str(n), str(c), l]
+            for sd in sides:
+                xs, ws = cs.step_cpu.get(sd, []), cs.step.get(sd, [])
+                row.append(f"{us(pct(xs, 0.5))} / {us(pct(xs, 0.99))} ({_ratio(pct(xs, 0.99), pct(ws, 0.99))})" if xs else "–")
+            rows.append(row)
+    if not rows:
+        return []
+    out.append(table(rows, ["prompt", "conc", "deployment", "P scheduler", "P worker", "D scheduler", "D worker"]))
+    rows = []
+    for n, c in keys:
+        for l in labels:
+            cs = cases.get((l, n, c))
+            if cs is None:
+                continue
+            for sd in sides:
+                recs = cs.slow.get(sd, [])
+                if not recs:
+                    continue
+                w, cpu, q = (sum(r[k] for r in recs) for k in ("w", "c", "q"))
+                worst = max(recs, key=lambda r: r["w"])
+                rows.append([str(n), str(c), l, f"{sd[0]} {sd[1]}", str(len(recs)), ms(w), ms(cpu), ms(q), ms(max(0.0, w - cpu - q)),
+                             f"{worst['n']} {ms(worst['w'])} (cpu {ms(worst['c'])}, queued {ms(worst['q'])})"])
+    if rows:
+        out += ["", "**Slow calls** (diagnostic run: calls of GONIXL_BENCH_SLOW_MS or more; ms of wall time, of the thread's "
+                "CPU, waiting runnable for a CPU, and the rest: blocked):", ""]
+        out.append(table(rows, ["prompt", "conc", "deployment", "side", "calls", "wall", "cpu", "queued", "blocked", "longest"]))
+    return out
 
 
 def digest_section(labels: list[str], cases: dict, keys: list[tuple[int, int]]) -> list[str]:
