@@ -249,6 +249,7 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
                 rows.append([str(n), str(c), l, f"{sd[0]} {sd[1]}", str(len(slow)), us(max(x for x, _ in slow)),
                              ", ".join(f"{k} {v / tot:.0%}" for k, v in top)])
     out.append(table(rows, ["prompt", "conc", "deployment", "side", "steps", "longest µs", "methods (share of their time)"]))
+    out += kind_section(labels, cases, keys, sides, base)
     out += cpu_section(labels, cases, keys, sides)
     out += ["", "**Connector time per request** (µs: all time inside the connector on both instances during the "
             "case, scheduler and worker sides, divided by the case's requests; a stock decode steps its engine "
@@ -309,6 +310,50 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
         out.append(f"Requests without a connector record on both instances (left out of hand-off and KV ready): {unmatched}.")
     plots(dirpath, labels, cases, keys)
     return "\n".join(out) + "\n"
+
+
+# A step's kind, from the methods it called: a worker step ran a forward
+# when vLLM called the per-layer hooks; a scheduler step carried a request
+# when it called a per-request method.
+FORWARD_METHODS = ("save_kv_layer", "wait_for_layer_load")
+REQUEST_METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished", "request_finished_all_groups", "on_new_request")
+
+
+def step_kind(role: str, m: dict[str, float]) -> str:
+    if role == "worker":
+        return "forward" if any(k in m for k in FORWARD_METHODS) else "idle"
+    return "request" if any(k in m for k in REQUEST_METHODS) else "idle"
+
+
+def kind_section(labels: list[str], cases: dict, keys: list[tuple[int, int]], sides: tuple, base: str) -> list[str]:
+    """Per-step medians and p99s of like steps: a deployment that steps its
+    engine while it waits (stock's decode polls for KV many thousand times
+    a case) has a median step that is an idle one, the other a forward or
+    a scheduled request; compared by kind, each side meets its like."""
+    out = ["", f"**Per-step targets by kind of step** (steps split into idle ones and those with a forward (worker) or a "
+           f"request (scheduler); p50 / p99 ÷ {base}'s of the same kind, and how many steps of that kind):", ""]
+    rows = []
+    for n, c in keys:
+        bs = cases.get((base, n, c))
+        for l in labels:
+            cs = cases.get((l, n, c))
+            if cs is None or bs is None or l == base:
+                continue
+            for kind in ("idle", "work"):
+                row = [str(n), str(c), l, kind]
+                for sd in sides:
+                    def of(x: Any) -> list[float]:
+                        xs, ms_ = x.step.get(sd, []), x.step_m.get(sd, [])
+                        if len(ms_) != len(xs):
+                            return []
+                        return [v for v, m in zip(xs, ms_) if (step_kind(sd[1], m) == "idle") == (kind == "idle")]
+                    a, b = of(cs), of(bs)
+                    row.append(f"{_ratio(pct(a, 0.5), pct(b, 0.5))} / {_ratio(pct(a, 0.99), pct(b, 0.99))} ({len(a)} / {len(b)})" if a and b else "–")
+                rows.append(row)
+    if not rows:
+        return []
+    out.append(table(rows, ["prompt", "conc", "deployment", "steps", "P scheduler p50 / p99", "P worker", "D scheduler", "D worker"]))
+    return out
 
 
 def cpu_section(labels: list[str], cases: dict, keys: list[tuple[int, int]], sides: tuple) -> list[str]:

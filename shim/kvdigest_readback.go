@@ -238,12 +238,14 @@ func (w *Worker) fetchDigestLocked(st *recvState) (<-chan fetchedDigest, context
 //	  digests pending)                       (worker metadata)
 //	Close                                  waits for the goroutine (w.checks)
 //
-// Under async scheduling the hold can end before its digests are asked for:
-// the metadata that lists it comes a step after request_finished's, and a
-// fast reader's notification may be reported in between, after which vLLM
-// may reuse the blocks. A hold whose finished_sending was reported
-// (sent, the last maxSentRemembered) is not hashed: its digests are ready
-// as none (null), so the reader reads unchecked at once instead of failing
+// The metadata that installs a hold (ReqsToSend) also asks for its
+// digests, a step after request_finished's (two under async scheduling); a
+// reader done before that step does not end the hold early: its end waits
+// for that step (send.go readEarlyLocked), so the hashing finds the blocks
+// still held. Should a hold's finished_sending be reported before its
+// digests are asked for all the same (sent, the last maxSentRemembered),
+// vLLM may reuse its blocks: it is not hashed, its digests are ready as
+// none (null), and the reader reads unchecked at once instead of failing
 // on a hash of reused blocks.
 type heldDigests struct {
 	hashing   map[string]int // goroutines hashing the request's hold
@@ -323,7 +325,7 @@ func (w *Worker) KVDigestsHeld(in []byte) error {
 		for _, r := range reqs {
 			// One goroutine: nobody waits on it, and vLLM's forward (its
 			// threads on every core, on a CPU platform) runs meanwhile.
-			if d, ok := w.digestReq(r, 1); ok {
+			if d, ok := w.digestReq(r, 1, true); ok {
 				out[r.ID] = d
 			}
 		}

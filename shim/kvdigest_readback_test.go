@@ -344,6 +344,78 @@ func TestReadbackHoldEndedBeforeItsDigests(t *testing.T) {
 	}
 }
 
+// A reader can be done before the decode's next step installs the hold
+// (the params leave with the request's last output; the hold, and the ask
+// for its digests, come in the next step's metadata, under async
+// scheduling two steps on). Its notification does not end the hold then:
+// the end waits for that step, whose hashing runs on blocks still the
+// connector's, and the reader's read is checked, not read unchecked (the
+// multi-turn suite's concurrent conversations caught it: 1 of 66 read-backs
+// unchecked on a loaded host).
+func TestReadbackReaderDoneBeforeTheHold(t *testing.T) {
+	r := newReadbackRun(t, KVDigestFail, true)
+	const tokens = 2 * tBlockSize
+	blocks := []int64{7, 8}
+	if _, err := r.d.sched.UpdateStateAfterAlloc("d-1", mustParams(t, `{"do_remote_decode": true, "_remote_blocks_processed": true}`), nil, []int64{0}, 0); err != nil {
+		t.Fatal(err)
+	}
+	r.d.step(t)
+	// request_finished, and the decode's next step not come yet.
+	delay, out, err := r.d.sched.RequestFinished("d-1", mustParams(t, `{"do_remote_prefill": false, "do_remote_decode": false}`), true, tokens, BlockIDs{blocks})
+	if err != nil || !delay {
+		t.Fatalf("request_finished: delay=%v err=%v", delay, err)
+	}
+	pp := mustParams(t, string(out))
+	n, _ := r.p.sched.GetNumNewMatchedTokens(pp, tokens+5, 0)
+	if _, err := r.p.sched.UpdateStateAfterAlloc("p-1", pp, BlockIDs{{3, 4}}, []int64{0}, n); err != nil {
+		t.Fatal(err)
+	}
+	r.p.step(t)
+	w := r.d.work
+	r.d.waitFinished(t, "the reader's notification", func(f Finished) bool {
+		r.p.finished(t)
+		if contains(f.Sending, "d-1") {
+			t.Fatalf("the hold ended before the step that installs it: %+v", f)
+		}
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		_, kept := w.readEarly.Deadline("d-1")
+		return kept
+	})
+	for i := 0; i < 10; i++ {
+		if f := r.d.finished(t); contains(f.Sending, "d-1") {
+			t.Fatalf("the hold ended before the step that installs it (poll %d)", i)
+		}
+	}
+	// That step: the hold is installed with its readers done, and its
+	// digests are asked for after the forward, before get_finished.
+	r.d.step(t)
+	var hashed atomic.Bool
+	w.mu.Lock()
+	w.heldDigest.hook = func([]DigestReq) { hashed.Store(true) }
+	w.mu.Unlock()
+	in, _ := json.Marshal([]DigestReq{{ID: "d-1", Tokens: tokens, Blocks: BlockIDs{blocks}}})
+	if err := w.KVDigestsHeld(in); err != nil {
+		t.Fatal(err)
+	}
+	f := r.d.waitFinished(t, "the hold's end after its hashing", func(f Finished) bool { return contains(f.Sending, "d-1") && f.DigestsPending })
+	if len(f.Sending) != 1 || !hashed.Load() {
+		t.Fatalf("sending %v (hashed %v), want d-1 once, after hashing", f.Sending, hashed.Load())
+	}
+	r.serve(t, "d-1", tokens, r.takeHeld(t))
+	if f := r.p.waitFinished(t, "p-1", func(f Finished) bool { return contains(f.Recving, "p-1") }); contains(f.Failed, "p-1") {
+		t.Fatalf("read-back failed: %v", r.logs.All())
+	}
+	if got := r.count(t, "gonixl_kv_digest_checked_blocks_total"); got != "2" {
+		t.Fatalf("checked blocks %s, want 2 (unchecked %s)", got, r.count(t, "gonixl_kv_digest_unchecked_total"))
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.readEarly.Len() != 0 {
+		t.Fatal("a kept end stayed after its hold")
+	}
+}
+
 // A held hashing that panics still ends: the hold's finished_sending is
 // reported and its digests are ready as none (the reader reads unchecked
 // at once instead of waiting for digests that will not come).

@@ -77,6 +77,9 @@ func (w *Worker) pollNotifsLocked() {
 		w.consumers[id]++
 		if w.consumers[id] >= want {
 			delete(w.consumers, id)
+			if !sending && w.readEarlyLocked(id) {
+				continue
+			}
 			delete(w.toProcess, id)
 			w.held.Drop(id)
 			w.done.Sending = append(w.done.Sending, id)
@@ -95,6 +98,7 @@ func (w *Worker) holdForReadersLocked(m *StepMeta) {
 	for _, id := range m.ReqsNotProcessed {
 		delete(w.toProcess, id)
 		w.held.Drop(id)
+		w.readEarly.Drop(id)
 	}
 	now := w.clock()
 	for id, exp := range m.ReqsToSend {
@@ -108,9 +112,40 @@ func (w *Worker) holdForReadersLocked(m *StepMeta) {
 			w.earlyHB.Drop(id)
 			exp = max(exp, hb)
 		}
-		w.held.Hold(id, exp)
 		w.heldDigest.heldAgainLocked(id)
+		if _, early := w.readEarly.Deadline(id); early {
+			// Its readers are done: the hold ends now, in this step's
+			// get_finished, after the digests this step's metadata asks
+			// for (heldSendingLocked holds it back while they hash).
+			w.readEarly.Drop(id)
+			delete(w.toProcess, id)
+			w.done.Sending = append(w.done.Sending, id)
+			continue
+		}
+		w.held.Hold(id, exp)
 	}
+}
+
+// maxReadEarly bounds the requests readEarly keeps (a peer's notifications
+// put them there; beyond it they end as before).
+const maxReadEarly = 1 << 12
+
+// readEarlyLocked keeps the end of id's hold for the step that installs
+// it, when this decode serves read-back digests: a reader may finish
+// before that step (the params leave with the request's last output; the
+// hold and its digest ask come in the next step's metadata, two steps on
+// under async scheduling), and a hold ended then has its blocks back in
+// vLLM's hands before they are hashed, so the reader reads unchecked. Held
+// to that step, the blocks stay the connector's until the hashing the same
+// step starts is done. False when id ends now, as it always did: no
+// digests served here, or too many kept.
+func (w *Worker) readEarlyLocked(id string) bool {
+	if !w.cfg.BidirectionalKVXfer || w.cfg.KVDigest == KVDigestOff || w.readEarly.Len() >= maxReadEarly {
+		return false
+	}
+	// Until the hold surely came or will not: a lease's length twice over.
+	w.readEarly.Raise(id, w.clock()+2*max(w.cfg.KVLeaseDuration, w.cfg.DecoderKVBlocksTTL))
+	return true
 }
 
 // maxEarlyHeartbeats bounds the heartbeats kept for leases not installed
@@ -136,6 +171,9 @@ func (w *Worker) sweepLeasesLocked() {
 		return
 	}
 	w.earlyHB.Expired()
+	// A kept end whose hold never came (vLLM did not hold the blocks after
+	// all) has nothing to report.
+	w.readEarly.Expired()
 	for _, id := range w.held.Expired() {
 		if ps := w.push.sends[id]; ps != nil {
 			if len(ps.xfers) > 0 {

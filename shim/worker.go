@@ -108,7 +108,11 @@ type Worker struct {
 	consumers  map[string]int
 	floors     *leases // decode: remote request id -> lower bound of its remote lease (heartbeats)
 	earlyHB    *leases // prefill: heartbeats for leases not installed yet (send.go)
-	released   *leases // decode: remote blocks this worker told their engine it is done with (lease.go)
+	// readEarly: requests whose readers were done before their hold was
+	// installed, with digests served (send.go readEarlyLocked), until
+	// the hold's step comes.
+	readEarly *leases
+	released  *leases // decode: remote blocks this worker told their engine it is done with (lease.go)
 	// read: remote block sets this worker READ or let go of (remote engine
 	// and request id), until their lease surely ended: this worker's
 	// notification lets the remote free them, so a second READ of the same
@@ -177,6 +181,7 @@ func NewWorker(cfg *Config, clock Clock) (_ *Worker, err error) {
 		floors:     newLeases(clock),
 		read:       newLeases(clock),
 		earlyHB:    newLeases(clock),
+		readEarly:  newLeases(clock),
 		released:   newLeases(clock),
 		// vLLM: kv_lease_duration * 2 // 3
 		leaseExtend: float64(int(cfg.KVLeaseDuration) * 2 / 3),

@@ -222,6 +222,33 @@ def _last_places(groups: Any) -> list[list[int]]:
     return out
 
 
+def _digest_places(ids: Sequence[int], digested: list[int]) -> Optional[tuple[int, Optional[list[Optional[int]]], bool]]:
+    """Where the params' block list ids (one group) sits in the prompt's
+    digested blocks: (first, place, whole), or None when ids are not one
+    run of them. Block j of ids sits at prompt position first + j; place[j]
+    is its index in digested, None where it was not digested there (a
+    sliding-window group's null block, a block past the prompt: digest 0,
+    not checked), and place is None when it is every index in order (the
+    params name the prompt's blocks as they were digested, the usual
+    case); whole says whether ids cover every digested block."""
+    if len(ids) == len(digested) and list(ids) == digested and -1 not in digested and len(set(digested)) == len(digested):
+        return 0, None, True
+    pos_of = {b: j for j, b in enumerate(digested) if b >= 0}
+    starts = {pos_of[b] - k for k, b in enumerate(ids) if b in pos_of}
+    if len(starts) > 1:
+        return None
+    start = starts.pop() if starts else 0
+    at = [start + k if 0 <= start + k < len(digested) and digested[start + k] == b else None for k, b in enumerate(ids)]
+    return start, at, start == 0 and len(ids) == len(pos_of) and None not in at
+
+
+def _placed(digests: Sequence[int], place: Optional[list[Optional[int]]], n: int) -> Sequence[int]:
+    """The digests of the params' n blocks (_digest_places's place)."""
+    if place is None:
+        return digests if len(digests) == n else [digests[j] for j in range(n)]
+    return [0 if j is None else digests[j] for j in place]
+
+
 def _pack_u64(values: Sequence[int]) -> str:
     """64-bit digests as kv_transfer_params carry them: base64 of
     little-endian uint64s."""
@@ -1179,24 +1206,17 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
         why = ""
         if sorted(ranks) != list(range(tp)) or len(adv) != len(blocks):
             why = f"digests of ranks {sorted(ranks)} for tp_size {tp}, {len(blocks)} groups for {len(adv)}"
-        # Block j of the params' list g sits at prompt position first[g] + j:
-        # the ids digested there say where the run starts. An id not
-        # digested at its place (a sliding-window group's null block, a
-        # block past the prompt) gets digest 0, not checked.
         first: list[int] = []
         whole: list[bool] = []
-        place: list[list[Optional[int]]] = []
+        place: list[Optional[list[Optional[int]]]] = []
         for g, ids in enumerate(adv if not why else ()):
-            pos_of = {b: j for j, b in enumerate(blocks[g]) if b >= 0}
-            starts = {pos_of[b] - k for k, b in enumerate(ids) if b in pos_of}
-            if len(starts) > 1:
+            got = _digest_places(ids, blocks[g])
+            if got is None:
                 why = f"group {g}: the params' blocks {list(ids)[:12]} are not a run of the prompt's {blocks[g][:40]}"
                 break
-            start = starts.pop() if starts else 0
-            at = [start + k if 0 <= start + k < len(blocks[g]) and blocks[g][start + k] == b else None for k, b in enumerate(ids)]
-            first.append(start)
-            place.append(at)
-            whole.append(start == 0 and len(ids) == len(pos_of) and None not in at)
+            first.append(got[0])
+            place.append(got[1])
+            whole.append(got[2])
         if why:
             if not self._warned_digest:
                 self._warned_digest = True
@@ -1207,7 +1227,7 @@ class GoNixlConnector(KVConnectorBase_V1, SupportsHMA):
             d = ranks[r]
             out.append(
                 {
-                    "blocks": [_pack_u64([0 if j is None else d["blocks"][g][j] for j in place[g]]) for g in range(len(adv))],
+                    "blocks": [_pack_u64(_placed(d["blocks"][g], place[g], len(adv[g]))) for g in range(len(adv))],
                     "regions": [_pack_u64(d["regions"][g]) if whole[g] else "" for g in range(len(adv))],
                 }
             )

@@ -4,9 +4,10 @@ so their digests can reach update_connector_output in different steps; the
 hold is served once every rank's came, as none when a rank could not hash
 it, and never from a partial set."""
 
+import random
 from typing import Any
 
-from gonixl.vllm import GoNixlConnector, GoNixlWorkerMeta, _pack_u64
+from gonixl.vllm import GoNixlConnector, GoNixlWorkerMeta, _digest_places, _pack_u64, _placed
 
 
 class _Sched:
@@ -54,3 +55,52 @@ def test_one_rank_serves_at_once() -> None:
     c, sched = _connector(tp=1)
     c._serve_digests(GoNixlWorkerMeta(frozenset(), {"r": {0: _rank(10)}}))
     assert len(sched.served) == 1 and sched.served[0]["r"] is not None
+
+
+def _places_by_search(ids: list[int], digested: list[int]) -> Any:
+    """_digest_places without its shortcut: every block looked up."""
+    pos_of = {b: j for j, b in enumerate(digested) if b >= 0}
+    starts = {pos_of[b] - k for k, b in enumerate(ids) if b in pos_of}
+    if len(starts) > 1:
+        return None
+    start = starts.pop() if starts else 0
+    at = [start + k if 0 <= start + k < len(digested) and digested[start + k] == b else None for k, b in enumerate(ids)]
+    return start, at, start == 0 and len(ids) == len(pos_of) and None not in at
+
+
+def test_digest_places_shortcut_places_as_the_search_does() -> None:
+    # The params name the prompt's digested blocks as they are (the usual
+    # case) and skip the search; every other shape searches. Either way
+    # each block gets the digest of its own place.
+    rng = random.Random(7)
+    shortcuts = 0
+    for _ in range(3000):
+        n = rng.randrange(0, 12)
+        digested = rng.sample(range(100), n)
+        for j in range(n):
+            if rng.random() < 0.1:
+                digested[j] = -1
+            elif rng.random() < 0.05 and j:
+                digested[j] = digested[j - 1]
+        form = rng.randrange(5)
+        if form == 0:
+            ids = list(digested)
+        elif form == 1 and n:
+            lo = rng.randrange(n)
+            ids = digested[lo : rng.randrange(lo, n + 1)]
+        elif form == 2:
+            ids = rng.sample(range(100), rng.randrange(0, 12))
+        elif form == 3:
+            ids = list(reversed(digested))
+        else:
+            ids = [b if b >= 0 else rng.randrange(100) for b in digested] + [rng.randrange(100)] * rng.randrange(2)
+        want = _places_by_search(ids, digested)
+        got = _digest_places(tuple(ids), digested)
+        if want is None:
+            assert got is None, (ids, digested)
+            continue
+        assert got is not None and got[0] == want[0] and got[2] == want[2], (ids, digested, got, want)
+        shortcuts += got[1] is None
+        digests = [rng.getrandbits(64) for _ in digested]
+        assert list(_placed(digests, got[1], len(ids))) == [0 if j is None else digests[j] for j in want[1]], (ids, digested)
+    assert shortcuts > 300  # the usual case takes the shortcut
