@@ -25,6 +25,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -131,41 +132,26 @@ var errDigestLayout = errors.New("the token order inside a block of this KV-cach
 // wrapping sum of its hashes. A block it cannot hash gets digest 0 (not
 // checked); the caller has checked ids against the layout. ok is false
 // when a hashing goroutine panicked: nothing of the result may be used.
-// wait says whether the caller may wait for a hashing slot
-// (hashslots.go) for its own share: a goroutine of the library's does; a
-// caller on vLLM's thread (that thread's P is its own) or under the
-// worker's lock never waits.
-func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64, wait bool) (blocks, regions []uint64, ok bool) {
-	return w.digestBlocksPar(g, ids, tokens, maxDigestThreads, wait)
+func (w *Worker) digestBlocks(g int, ids []int64, tokens func(j int) int64) (blocks, regions []uint64, ok bool) {
+	return w.digestBlocksPar(g, ids, tokens, maxDigestThreads)
 }
 
 // digestBlocksPar is digestBlocks on at most maxPar goroutines.
-func (w *Worker) digestBlocksPar(g int, ids []int64, tokens func(j int) int64, maxPar int, wait bool) (blocks, regions []uint64, ok bool) {
+func (w *Worker) digestBlocksPar(g int, ids []int64, tokens func(j int) int64, maxPar int) (blocks, regions []uint64, ok bool) {
 	regs := w.groupRegions(g)
 	blocks = make([]uint64, len(ids))
 	regions = make([]uint64, len(regs))
 	// Blocks split in contiguous shares, one goroutine each beyond the
-	// first (the caller's), each holding a hashing slot: a prefill hashes
-	// on vLLM's thread, whose other cores are idle after the forward.
+	// first (the caller's): a prefill hashes on vLLM's thread, whose other
+	// cores are idle after the forward.
 	var bytes uint64
 	for _, ri := range regs {
 		bytes += w.layout.Regions[ri].Len
 	}
-	want := min(maxPar, len(ids))
+	par := min(runtime.GOMAXPROCS(0), maxPar, len(ids))
 	if bytes*uint64(len(ids)) < digestParallelBytes {
-		want = 1
+		par = 1
 	}
-	held := 0
-	if wait {
-		hashers.take()
-		held = 1
-	}
-	par := 1
-	for par < want && hashers.tryTake() {
-		par++
-		held++
-	}
-	defer hashers.give(held)
 	sums := make([][]uint64, par)
 	var wg sync.WaitGroup
 	var panicked atomic.Bool
@@ -285,7 +271,7 @@ func (w *Worker) KVDigests(in []byte) ([]byte, error) {
 	}
 	out := make(map[string]DigestOut, len(reqs))
 	for _, r := range reqs {
-		if d, ok := w.digestReq(r, maxDigestThreads, false); ok {
+		if d, ok := w.digestReq(r, maxDigestThreads); ok {
 			out[r.ID] = d
 		} // else no digests: read unchecked (the panic is logged and counted)
 	}
@@ -326,13 +312,13 @@ func (w *Worker) digestReqsLocked(in []byte) ([]DigestReq, error) {
 // digestReq hashes one request's blocks (checked by digestReqsLocked) on
 // at most maxPar goroutines. It reads only the registered layout and the
 // blocks: no lock needed. False when a hashing goroutine panicked.
-func (w *Worker) digestReq(r DigestReq, maxPar int, wait bool) (DigestOut, bool) {
+func (w *Worker) digestReq(r DigestReq, maxPar int) (DigestOut, bool) {
 	d := DigestOut{Blocks: make([][]uint64, len(r.Blocks)), Regions: make([][]uint64, len(r.Blocks))}
 	ok := true
 	for g, ids := range r.Blocks {
 		n := r.Tokens
 		var gok bool
-		d.Blocks[g], d.Regions[g], gok = w.digestBlocksPar(g, ids, func(j int) int64 { return min(w.blockSize, n-int64(j)*w.blockSize) }, maxPar, wait)
+		d.Blocks[g], d.Regions[g], gok = w.digestBlocksPar(g, ids, func(j int) int64 { return min(w.blockSize, n-int64(j)*w.blockSize) }, maxPar)
 		ok = ok && gok
 	}
 	return d, ok
@@ -496,7 +482,7 @@ func (w *Worker) hashCheck(c *digestCheck) digestResult {
 	for g := range c.local {
 		tok := c.tokens[g]
 		var ok bool
-		if r.blocks[g], r.regions[g], ok = w.digestBlocks(g, c.local[g], func(j int) int64 { return tok[j] }, true); !ok {
+		if r.blocks[g], r.regions[g], ok = w.digestBlocks(g, c.local[g], func(j int) int64 { return tok[j] }); !ok {
 			r.err = errors.New("a hashing goroutine panicked")
 		}
 	}
@@ -731,7 +717,7 @@ func (w *Worker) pushDigestLocked(ps *pushSend, re *remoteEngine, local BlockIDs
 		first := int64(len(ps.blocks[g]) - len(local[g]))
 		d.First[g] = first
 		var ok bool
-		if d.Blocks[g], _, ok = w.digestBlocks(g, local[g], func(j int) int64 { return min(w.blockSize, ps.tokens-(first+int64(j))*w.blockSize) }, false); !ok {
+		if d.Blocks[g], _, ok = w.digestBlocks(g, local[g], func(j int) int64 { return min(w.blockSize, ps.tokens-(first+int64(j))*w.blockSize) }); !ok {
 			return nil // the WRITE goes unchecked (the panic is logged and counted)
 		}
 	}

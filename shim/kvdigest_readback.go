@@ -325,7 +325,7 @@ func (w *Worker) KVDigestsHeld(in []byte) error {
 		for _, r := range reqs {
 			// One goroutine: nobody waits on it, and vLLM's forward (its
 			// threads on every core, on a CPU platform) runs meanwhile.
-			if d, ok := w.digestReq(r, 1, true); ok {
+			if d, ok := w.digestReq(r, 1); ok {
 				out[r.ID] = d
 			}
 		}

@@ -3,7 +3,6 @@ package shim
 import (
 	"encoding/json"
 	"fmt"
-	"reflect"
 	"runtime"
 	"strings"
 	"testing"
@@ -337,17 +336,6 @@ func BenchmarkKVDigestsHeld(b *testing.B) {
 // benchDigestWorker is a worker with the fixture's KV registered and the
 // digest request of one 1,000-token prompt.
 func benchDigestWorker(b *testing.B) (*Worker, []byte) {
-	w, in := digestWorker(b)
-	b.SetBytes(int64(digestWorkerBytes))
-	return w, in
-}
-
-// digestWorkerBytes is the KV digestWorker's request covers.
-const digestWorkerBytes = 1000 * 28 * 2 * 2 * 32 * 4
-
-// digestWorker is a worker whose KV is the bench fixture's (28 layers,
-// CPU layout, 14 MB a 1,000-token prompt) and that prompt's DigestReq list.
-func digestWorker(b testing.TB) (*Worker, []byte) {
 	const layers, heads, hd, bs, elem, nBlocks, tokens = 28, 2, 32, 32, 4, 64, 1000
 	w, err := NewWorker(testConfig(b, RoleWorker, "kv_producer", "bench", 0, nil), nil)
 	if err != nil {
@@ -377,62 +365,8 @@ func digestWorker(b testing.TB) (*Worker, []byte) {
 		ids[i] = int64(2 * i)
 	}
 	in, _ := json.Marshal([]DigestReq{{ID: "r", Tokens: tokens, Blocks: BlockIDs{ids}}})
+	b.SetBytes(int64(tokens * layers * heads * 2 * hd * elem))
 	return w, in
-}
-
-// Hashing goroutines hold a slot each, one slot fewer than Ps
-// (hashslots.go): with every slot taken a library goroutine's hashing
-// waits, a caller on vLLM's thread or under the worker's lock does not
-// (it hashes alone, to the same digests), and the waiting one finishes
-// once slots are given back, which all are.
-func TestHashingLeavesAPForVLLMsCalls(t *testing.T) {
-	w, in := digestWorker(t)
-	var reqs []DigestReq
-	if err := json.Unmarshal(in, &reqs); err != nil {
-		t.Fatal(err)
-	}
-	n := cap(hashers.slots())
-	if want := max(1, runtime.GOMAXPROCS(0)-1); n != want {
-		t.Fatalf("%d hashing slots with GOMAXPROCS %d, want %d", n, runtime.GOMAXPROCS(0), want)
-	}
-	free, ok := w.digestReq(reqs[0], maxDigestThreads, true)
-	if !ok {
-		t.Fatal("hashing failed")
-	}
-	for range n {
-		hashers.take()
-	}
-	done := make(chan DigestOut, 1)
-	go func() { d, _ := w.digestReq(reqs[0], maxDigestThreads, false); done <- d }()
-	select {
-	case d := <-done:
-		if !reflect.DeepEqual(d, free) {
-			t.Fatalf("hashed alone: %v, with slots: %v", d.Regions, free.Regions)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("a caller that must not wait waited for a hashing slot")
-	}
-	go func() { d, _ := w.digestReq(reqs[0], maxDigestThreads, true); done <- d }()
-	select {
-	case <-done:
-		t.Fatal("a library goroutine hashed with every slot taken")
-	case <-time.After(100 * time.Millisecond):
-	}
-	hashers.give(n)
-	select {
-	case d := <-done:
-		if !reflect.DeepEqual(d, free) {
-			t.Fatal("digests differ")
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("hashing did not resume when slots were given back")
-	}
-	for range n {
-		if !hashers.tryTake() {
-			t.Fatal("a hashing slot was not given back")
-		}
-	}
-	hashers.give(n)
 }
 
 // flipAt flips a bit of the byte at addr in km's memory; false if addr is
