@@ -121,11 +121,14 @@ _schedstat = threading.local()
 
 
 def _runqueue_wait() -> float:
-    """Seconds this thread has waited runnable for a CPU (0 without /proc)."""
+    """Seconds this thread has waited runnable for a CPU (0 without /proc).
+    The file is opened once per thread and process (a forked child's
+    thread-local copy names its parent's thread)."""
     fd = getattr(_schedstat, "fd", None)
     try:
-        if fd is None:
+        if fd is None or getattr(_schedstat, "pid", None) != os.getpid():
             fd = _schedstat.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            _schedstat.pid = os.getpid()
         return int(os.pread(fd, 128, 0).split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
