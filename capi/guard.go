@@ -10,8 +10,10 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"runtime/debug"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/gonixl/gonixl/nixl"
@@ -124,6 +126,20 @@ func guard(cerr *C.gonixl_error_t, fn func() error) (ret C.gonixl_status_t) {
 	if poisoned.Load() {
 		return setErr(cerr, statusPoisoned, "library is poisoned by an earlier internal error (Go panic); restart the process")
 	}
+	t0 := time.Now()
+	defer func() {
+		// From the moment the call runs Go code: a caller that measured
+		// more waited outside it (for a P, for the GIL).
+		if d := time.Since(t0); d >= shim.SlowCallWarn() {
+			call := "?"
+			if pc, _, _, ok := runtime.Caller(2); ok {
+				if f := runtime.FuncForPC(pc); f != nil {
+					call = f.Name()
+				}
+			}
+			shim.LogSlowCall(call, d)
+		}
+	}()
 	defer func() {
 		if r := recover(); r != nil {
 			if poisoned.CompareAndSwap(false, true) {

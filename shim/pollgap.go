@@ -1,6 +1,10 @@
 package shim
 
 import (
+	"os"
+	"strconv"
+	"strings"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -12,17 +16,41 @@ import (
 // between two engine steps (vLLM's engine thread busy or descheduled: a
 // READ's transfer_timeout and a lease are checked when vLLM polls, once per
 // engine step).
-const (
-	// lockWaitWarn: a call from the model thread that waited this long
-	// for the worker's lock is logged with the holder's name.
-	lockWaitWarn = 500 * time.Millisecond
-	// lockHoldWarn: a section that held the worker's lock this long is
-	// logged (vLLM's model thread may have been waiting for it).
-	lockHoldWarn = 500 * time.Millisecond
-	// pollGapWarn: vLLM not polling the connector for this long while
-	// READs are in flight is logged.
-	pollGapWarn = 2 * time.Second
+// pollGapWarn: vLLM not polling the connector for this long while READs
+// are in flight is logged.
+const pollGapWarn = 2 * time.Second
+
+// SlowCallWarn is how long a call into the library, a wait for the
+// worker's lock (logged with the holder's name) or a hold of it (vLLM's
+// model thread may have waited) may take before it is logged:
+// GONIXL_SLOW_CALL_MS
+// (milliseconds, default 500). Lowered, it names what a slow engine step
+// waited for (docs/BENCHMARKS.md, run 11: calls blocked 43-162 ms). Read at first
+// use, after the library took its environment (capi/env.go).
+func SlowCallWarn() time.Duration {
+	slowOnce.Do(func() { slowWarn = slowCallMS(os.Getenv("GONIXL_SLOW_CALL_MS")) })
+	return slowWarn
+}
+
+// slowCallMS reads GONIXL_SLOW_CALL_MS: a positive number of milliseconds
+// below a million seconds; anything else is the default, 500.
+func slowCallMS(v string) time.Duration {
+	if ms, err := strconv.ParseFloat(strings.TrimSpace(v), 64); err == nil && ms > 0 && ms < 1e9 {
+		return time.Duration(ms * float64(time.Millisecond))
+	}
+	return 500 * time.Millisecond
+}
+
+var (
+	slowOnce sync.Once
+	slowWarn time.Duration
 )
+
+// LogSlowCall logs a call into the library (capi's name for it) that ran
+// Go code for at least SlowCallWarn.
+func LogSlowCall(call string, took time.Duration) {
+	Logger().Warn("slow call into the library", zap.String("call", call), zap.Duration("took", took))
+}
 
 // lockTimed takes the worker's lock for the section named what and
 // returns its unlock, which logs a long hold. A long wait is logged too,
@@ -31,7 +59,7 @@ func (w *Worker) lockTimed(what string) (unlock func()) {
 	t0 := time.Now()
 	w.mu.Lock()
 	got := time.Now()
-	if wait := got.Sub(t0); wait >= lockWaitWarn {
+	if wait := got.Sub(t0); wait >= SlowCallWarn() {
 		w.log.Warn("waited for the worker's lock", zap.String("call", what), zap.Duration("waited", wait),
 			zap.String("held_by", w.lockHolder))
 	}
@@ -39,7 +67,7 @@ func (w *Worker) lockTimed(what string) (unlock func()) {
 	return func() {
 		held := time.Since(got)
 		w.mu.Unlock()
-		if held >= lockHoldWarn {
+		if held >= SlowCallWarn() {
 			w.log.Warn("held the worker's lock", zap.String("call", what), zap.Duration("held", held))
 		}
 	}

@@ -55,7 +55,7 @@ func TestLockTimedNamesTheHolder(t *testing.T) {
 		defer wg.Done()
 		unlock := w.lockTimed("handshake result")
 		close(held)
-		time.Sleep(lockWaitWarn + 100*time.Millisecond)
+		time.Sleep(SlowCallWarn() + 100*time.Millisecond)
 		unlock()
 	}()
 	<-held
@@ -72,5 +72,22 @@ func TestLockTimedNamesTheHolder(t *testing.T) {
 	w.lockTimed("get_finished")() // uncontended, short: nothing more logged
 	if logs.Len() != 2 {
 		t.Fatalf("%d lines, want 2", logs.Len())
+	}
+}
+
+// GONIXL_SLOW_CALL_MS: milliseconds, fractions allowed; unset, not a
+// number, not positive or absurd is the default.
+func TestSlowCallMS(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		want time.Duration
+	}{
+		{"", 500 * time.Millisecond}, {"15", 15 * time.Millisecond}, {" 0.5 ", 500 * time.Microsecond},
+		{"0", 500 * time.Millisecond}, {"-3", 500 * time.Millisecond}, {"abc", 500 * time.Millisecond},
+		{"NaN", 500 * time.Millisecond}, {"1e12", 500 * time.Millisecond}, {"2000", 2 * time.Second},
+	} {
+		if got := slowCallMS(c.in); got != c.want {
+			t.Errorf("GONIXL_SLOW_CALL_MS=%q: %v, want %v", c.in, got, c.want)
+		}
 	}
 }

@@ -446,7 +446,7 @@ func (w *Worker) pollLocked() {
 	w.pollPushWaitsLocked()
 	w.pollPushSendsLocked()
 	w.sweepPushLocked()
-	if t4 := time.Now(); t4.Sub(t0) >= lockHoldWarn {
+	if t4 := time.Now(); t4.Sub(t0) >= SlowCallWarn() {
 		w.log.Warn("slow get_finished", zap.Duration("transfers", t1.Sub(t0)), zap.Duration("notifications", t2.Sub(t1)),
 			zap.Duration("leases", t3.Sub(t2)), zap.Duration("evictions", t4.Sub(t3)))
 	}
