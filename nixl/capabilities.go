@@ -31,6 +31,24 @@ type ControlBusy interface {
 	ControlBusy() bool
 }
 
+// TryChecker is a transfer whose Check can decline to wait: TryCheck is
+// Check when the engine's lock is free at once, and (InProgress, nil,
+// false), checking nothing, while another thread holds it (the ucx
+// engine's progress thread mid-sweep, a post). A poll from vLLM's model
+// thread uses it: behind a progress sweep of a descheduled thread it waited
+// 178 ms (GONIXL_SLOW_CALL_MS=15, docs/BENCHMARKS.md run 12), and the
+// transfer is checked again at the next poll.
+type TryChecker interface {
+	TryCheck() (Status, error, bool)
+}
+
+// TryNotifier is an agent whose GetNotifs can decline to wait, as
+// TryChecker's TryCheck does: (nil, nil, false), taking nothing, while
+// another thread holds the engine's lock.
+type TryNotifier interface {
+	TryGetNotifs() ([]Notif, error, bool)
+}
+
 // PostCopies is an agent whose Xfer.Post may move a transfer's bytes on
 // the caller's thread before it returns, and whose calls wait for one
 // another (ControlBusy's one lock). PostCopies reports whether it does so

@@ -59,7 +59,7 @@ func (w *Worker) busyLocked() bool {
 		len(w.push.deferred) > 0 || len(w.postQueue) > 0 || w.postsRunning.Load() > 0 ||
 		len(w.push.sends) > 0 || len(w.push.computing) > 0 || len(w.push.earlyDone) > 0 ||
 		(w.cfg.TransferMode == "push" && w.cfg.KVRole != "kv_consumer") ||
-		len(w.done.Sending)+len(w.done.Recving)+len(w.done.Failed) > 0 || w.notifsFailed
+		len(w.done.Sending)+len(w.done.Recving)+len(w.done.Failed) > 0 || w.notifsFailed || w.notifsSkipped
 }
 
 // publishLocked publishes the worker's state; changed bumps the counter.

@@ -605,7 +605,16 @@ func (w *Worker) pollTransfersLocked() {
 				}
 				continue
 			}
-			status, err := f.x.Check()
+			var status nixl.Status
+			var err error
+			if tc, ok := f.x.(nixl.TryChecker); ok && now < f.deadline {
+				// Never behind the engine's own thread: a transfer whose
+				// engine is busy counts as in flight until the next poll
+				// (InProgress, nil). At its deadline it is checked, waiting.
+				status, err, _ = tc.TryCheck()
+			} else {
+				status, err = f.x.Check()
+			}
 			switch {
 			case err == nil && status == nixl.Success:
 				if f.slow {

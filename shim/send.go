@@ -6,9 +6,11 @@ package shim
 
 import (
 	"fmt"
-	"go.uber.org/zap"
 	"strings"
 
+	"go.uber.org/zap"
+
+	"github.com/gonixl/gonixl/nixl"
 	"github.com/gonixl/gonixl/shim/kvwire"
 )
 
@@ -18,7 +20,20 @@ import (
 // once all its readers are done. One for a request neither held nor in the
 // batch is counted as arriving after expiry (vLLM's metric and log line).
 func (w *Worker) pollNotifsLocked() {
-	notifs, err := w.agent.GetNotifs()
+	var notifs []nixl.Notif
+	var err error
+	if tn, ok := w.agent.(nixl.TryNotifier); ok {
+		// Never behind the engine's own thread (nixl.TryChecker's reason):
+		// drained at the next poll, and no lease is swept before that.
+		var got bool
+		if notifs, err, got = tn.TryGetNotifs(); !got {
+			w.notifsSkipped = true
+			return
+		}
+	} else {
+		notifs, err = w.agent.GetNotifs()
+	}
+	w.notifsSkipped = false
 	if err != nil {
 		// A heartbeat may be among what could not be read: no lease is
 		// swept until the notifications are drained again (a decode whose
@@ -167,7 +182,7 @@ func (w *Worker) earlyHeartbeatLocked(id string, exp float64) {
 // sweepLeasesLocked frees every request whose lease has passed, unless
 // the last drain of notifications failed.
 func (w *Worker) sweepLeasesLocked() {
-	if w.notifsFailed {
+	if w.notifsFailed || w.notifsSkipped {
 		return
 	}
 	w.earlyHB.Expired()

@@ -900,3 +900,40 @@ func TestReadbackPullsOnlyTheMatchedPrefix(t *testing.T) {
 		t.Errorf("sliding-window model, whole history: matched %d, want 300", n)
 	}
 }
+
+// A poll from vLLM's model thread does not wait for the engine's own
+// thread (nixl.TryChecker, nixl.TryNotifier): while the engine is busy a
+// READ counts as in flight, notifications stay undrained and no lease is
+// swept (a heartbeat may be among them); the first poll after sees both.
+func TestBusyEngineDefersChecksAndNotifications(t *testing.T) {
+	clock := NewFakeClock(100)
+	eng := nixltest.NewEngine("t")
+	// No KV digests: a READ seen complete is reported by the same poll.
+	extra := map[string]any{"kv_lease_duration": 30, "transfer_timeout": 1000, "kv_digest": "off"}
+	p := newSide(t, eng, "kv_producer", "engine-p", clock.Now, 1, extra)
+	d := newSide(t, eng, "kv_consumer", "engine-d", clock.Now, 200, extra)
+	out := prefill(t, p, "req-p", []int64{3, 4, 5}, 12)
+	release := eng.Hold()
+	defer release()
+	decodeLoad(t, d, "req-d", out, []int64{7, 8, 9})
+	for end := time.Now().Add(200 * time.Millisecond); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
+		if f := d.finished(t); contains(f.Recving, "req-d") || contains(f.Failed, "req-d") {
+			t.Fatalf("a READ was checked while the engine was busy: %+v", f)
+		}
+	}
+	release()
+	d.waitFinished(t, "the READ after the engine's busy spell", func(f Finished) bool { return contains(f.Recving, "req-d") })
+	// The decode's notification is in the prefill's inbox now; the lease
+	// lapses while the engine is busy.
+	release = eng.Hold()
+	clock.Advance(31)
+	for i := 0; i < 20; i++ {
+		if f := p.finished(t); contains(f.Sending, "req-p") {
+			t.Fatalf("notifications drained or a lease swept while the engine was busy (poll %d): %+v", i, f)
+		}
+	}
+	release()
+	if f := p.waitFinished(t, "the notification after the busy spell", func(f Finished) bool { return contains(f.Sending, "req-p") }); len(f.Sending) != 1 {
+		t.Fatalf("sending %v, want req-p once", f.Sending)
+	}
+}

@@ -119,8 +119,10 @@ type Worker struct {
 	// params (a retry, replayed params) would read blocks it may have
 	// reused.
 	read *leases
-	// notifsFailed: the last GetNotifs failed (leases are not swept).
-	notifsFailed bool
+	// notifsFailed: the last GetNotifs failed; notifsSkipped: the last
+	// poll found the engine busy and drained nothing. Either way leases
+	// are not swept (a heartbeat may wait undrained).
+	notifsFailed, notifsSkipped bool
 	// pub receives the idle state (idle.go); evictTimer bumps its counter
 	// at evictAt, the next engine_ttl eviction of an idle worker.
 	pub         Publisher

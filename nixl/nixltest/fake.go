@@ -96,6 +96,7 @@ type Engine struct {
 	name string
 
 	mu          sync.Mutex
+	holding     atomic.Bool // Hold: TryCheck and TryGetNotifs decline
 	script      Script
 	unavailable error
 	agents      map[string]*Agent
@@ -117,6 +118,15 @@ func init() { nixl.Register(Fake) }
 // a fresh name if the code under test looks engines up by name.
 func NewEngine(name string) *Engine {
 	return &Engine{name: name, agents: map[string]*Agent{}, live: map[uint64]*xfer{}}
+}
+
+// Hold makes the engine busy until the returned func is called, as a
+// real engine's own thread holding its lock (the ucx engine's progress
+// sweep): TryCheck and TryGetNotifs decline meanwhile. Other calls go on.
+func (e *Engine) Hold() (release func()) {
+	e.holding.Store(true)
+	var once sync.Once
+	return func() { once.Do(func() { e.holding.Store(false) }) }
 }
 
 func (e *Engine) Name() string { return e.name }
@@ -715,9 +725,24 @@ func (x *xfer) move(peer *Agent) {
 }
 
 func (x *xfer) Check() (nixl.Status, error) {
+	x.a.e.mu.Lock()
+	defer x.a.e.mu.Unlock()
+	return x.checkLocked()
+}
+
+// TryCheck is nixl.TryChecker's: Check, unless a test holds the engine
+// (Engine.Hold). Other calls running at the same time are waited for, so
+// that tests do not depend on how calls happen to interleave.
+func (x *xfer) TryCheck() (nixl.Status, error, bool) {
+	if x.a.e.holding.Load() {
+		return nixl.InProgress, nil, false
+	}
+	st, err := x.Check()
+	return st, err, true
+}
+
+func (x *xfer) checkLocked() (nixl.Status, error) {
 	a := x.a
-	a.e.mu.Lock()
-	defer a.e.mu.Unlock()
 	a.record("Check", "")
 	if err := x.stale("Check"); err != nil {
 		return nixl.ErrInvalidParam, err
@@ -821,6 +846,20 @@ func (a *Agent) SendNotif(agent string, msg []byte) error {
 func (a *Agent) GetNotifs() ([]nixl.Notif, error) {
 	a.e.mu.Lock()
 	defer a.e.mu.Unlock()
+	return a.takeNotifsLocked()
+}
+
+// TryGetNotifs is nixl.TryNotifier's: GetNotifs, unless a test holds the
+// engine (Engine.Hold), as TryCheck.
+func (a *Agent) TryGetNotifs() ([]nixl.Notif, error, bool) {
+	if a.e.holding.Load() {
+		return nil, nil, false
+	}
+	n, err := a.GetNotifs()
+	return n, err, true
+}
+
+func (a *Agent) takeNotifsLocked() ([]nixl.Notif, error) {
 	a.record("GetNotifs", "")
 	if err := a.live("GetNotifs"); err != nil {
 		return nil, err

@@ -1307,6 +1307,21 @@ func (a *agent) SendNotif(agentName string, msg []byte) error {
 
 func (a *agent) GetNotifs() ([]nixl.Notif, error) {
 	a.mu.Lock()
+	return a.takeNotifs()
+}
+
+// TryGetNotifs is nixl.TryNotifier's: GetNotifs, unless the agent mutex is
+// held (the progress thread's sweep, a post).
+func (a *agent) TryGetNotifs() ([]nixl.Notif, error, bool) {
+	if !a.mu.TryLock() {
+		return nil, nil, false
+	}
+	n, err := a.takeNotifs()
+	return n, err, true
+}
+
+// takeNotifs is GetNotifs with the agent mutex held; it unlocks it.
+func (a *agent) takeNotifs() ([]nixl.Notif, error) {
 	if err := a.checkOpen("GetNotifs"); err != nil {
 		a.mu.Unlock()
 		return nil, err

@@ -906,3 +906,30 @@ func TestHostCopyPanicFailsTheTransfer(t *testing.T) {
 	}
 	_ = y.Release()
 }
+
+// TryCheck and TryGetNotifs decline, checking and taking nothing, while
+// another thread holds the agent mutex (the progress thread's sweep, a
+// post), and never keep it; free, TryCheck is Check.
+func TestTryCallsDeclineWhileTheAgentIsHeld(t *testing.T) {
+	a := &agent{name: "a"}
+	x := &xfer{a: a}
+	a.mu.Lock()
+	if st, err, ok := x.TryCheck(); ok || st != nixl.InProgress || err != nil {
+		t.Fatalf("TryCheck with the agent held: %v %v %v", st, err, ok)
+	}
+	if n, err, ok := a.TryGetNotifs(); ok || n != nil || err != nil {
+		t.Fatalf("TryGetNotifs with the agent held: %v %v %v", n, err, ok)
+	}
+	a.mu.Unlock()
+	if st, _, ok := x.TryCheck(); !ok || st != nixl.ErrNotPosted {
+		t.Fatalf("TryCheck of a transfer never posted, the agent free: %v %v", st, ok)
+	}
+	a.closed = true
+	if _, err, ok := a.TryGetNotifs(); !ok || err == nil {
+		t.Fatalf("TryGetNotifs of a closed agent: %v %v", err, ok)
+	}
+	if !a.mu.TryLock() {
+		t.Fatal("a Try call kept the agent mutex")
+	}
+	a.mu.Unlock()
+}

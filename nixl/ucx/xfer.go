@@ -323,6 +323,17 @@ func (x *xfer) Check() (nixl.Status, error) {
 	return x.checkLocked("Check")
 }
 
+// TryCheck is nixl.TryChecker's: Check, unless the agent mutex is held
+// (the progress thread's sweep, a post, a copy settling).
+func (x *xfer) TryCheck() (nixl.Status, error, bool) {
+	if !x.a.mu.TryLock() {
+		return nixl.InProgress, nil, false
+	}
+	defer x.a.mu.Unlock()
+	st, err := x.checkLocked("Check")
+	return st, err, true
+}
+
 func (x *xfer) checkLocked(fn string) (nixl.Status, error) {
 	if x.released {
 		return nixl.ErrInvalidParam, nixl.Errorf(nixl.ErrInvalidParam, fn, "transfer already released")
