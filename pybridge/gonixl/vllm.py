@@ -233,6 +233,11 @@ def _digest_places(ids: Sequence[int], digested: list[int]) -> Optional[tuple[in
     case); whole says whether ids cover every digested block."""
     if len(ids) == len(digested) and list(ids) == digested and -1 not in digested and len(set(digested)) == len(digested):
         return 0, None, True
+    return _search_places(ids, digested)
+
+
+def _search_places(ids: Sequence[int], digested: list[int]) -> Optional[tuple[int, Optional[list[Optional[int]]], bool]]:
+    """_digest_places without its shortcut: every block looked up."""
     pos_of = {b: j for j, b in enumerate(digested) if b >= 0}
     starts = {pos_of[b] - k for k, b in enumerate(ids) if b in pos_of}
     if len(starts) > 1:

@@ -318,36 +318,51 @@ func plainStringValue(v []byte) (string, bool) {
 	return string(str), true
 }
 
-// plainIDList reads v when it is a list of non-negative JSON integers.
-func plainIDList(v []byte) ([]int64, bool) {
+// list reads v when it is one JSON list and nothing after it but space,
+// each element with elem (called at the element, space skipped before it).
+func list(v []byte, elem func(s *scanner) bool) bool {
 	s := scanner{b: v}
 	if !s.next('[') {
-		return nil, false
+		return false
 	}
-	out := make([]int64, 0, len(v)/2)
 	if !s.next(']') {
 		for {
 			s.space()
-			start := s.i
-			if integer, ok := s.number(); !ok || !integer {
-				return nil, false
+			if !elem(&s) {
+				return false
 			}
-			n, err := strconv.ParseInt(string(v[start:s.i]), 10, 64)
-			if err != nil || n < 0 {
-				return nil, false
-			}
-			out = append(out, n)
 			if s.next(',') {
 				continue
 			}
-			if s.next(']') {
-				break
+			if !s.next(']') {
+				return false
 			}
-			return nil, false
+			break
 		}
 	}
 	s.space()
-	return out, s.i == len(v)
+	return s.i == len(v)
+}
+
+// plainIDList reads v when it is a list of non-negative JSON integers.
+func plainIDList(v []byte) ([]int64, bool) {
+	out := make([]int64, 0, len(v)/2)
+	ok := list(v, func(s *scanner) bool {
+		start := s.i
+		if integer, ok := s.number(); !ok || !integer {
+			return false
+		}
+		n, err := strconv.ParseInt(string(s.b[start:s.i]), 10, 64)
+		if err != nil || n < 0 {
+			return false
+		}
+		out = append(out, n)
+		return true
+	})
+	if !ok {
+		return nil, false
+	}
+	return out, true
 }
 
 // plainBlockIDs reads v when it is a flat list of block ids or a list of
@@ -369,85 +384,45 @@ func plainBlockIDs(v []byte) (BlockIDs, bool) {
 		return BlockIDs{ids}, true
 	}
 	var out BlockIDs
-	for {
-		s.space()
+	ok := list(v, func(s *scanner) bool {
 		start := s.i
-		if s.i >= len(v) || v[s.i] != '[' || !s.value(2) {
-			return nil, false
+		if s.i >= len(s.b) || s.b[s.i] != '[' || !s.value(2) {
+			return false
 		}
-		ids, ok := plainIDList(v[start:s.i])
-		if !ok {
-			return nil, false
-		}
+		ids, ok := plainIDList(s.b[start:s.i])
 		out = append(out, ids)
-		if s.next(',') {
-			continue
-		}
-		if s.next(']') {
-			break
-		}
+		return ok
+	})
+	if !ok {
 		return nil, false
 	}
-	s.space()
-	return out, s.i == len(v)
+	return out, true
 }
 
 // plainStrings reads v when it is a list of plain strings.
 func plainStrings(v []byte) ([]string, bool) {
-	s := scanner{b: v}
-	if !s.next('[') {
+	out := []string{}
+	ok := list(v, func(s *scanner) bool {
+		str, ok := s.plainString(false)
+		out = append(out, string(str))
+		return ok
+	})
+	if !ok {
 		return nil, false
 	}
-	var out []string
-	if !s.next(']') {
-		for {
-			s.space()
-			str, ok := s.plainString(false)
-			if !ok {
-				return nil, false
-			}
-			out = append(out, string(str))
-			if s.next(',') {
-				continue
-			}
-			if s.next(']') {
-				break
-			}
-			return nil, false
-		}
-	} else {
-		out = []string{}
-	}
-	s.space()
-	return out, s.i == len(v)
+	return out, true
 }
 
 // plainObjects splits v, a list of objects, into each object's fields.
 func plainObjects(v []byte) ([][]rawField, bool) {
-	s := scanner{b: v}
-	if !s.next('[') {
+	out := [][]rawField{}
+	ok := list(v, func(s *scanner) bool {
+		f, ok := s.object(2)
+		out = append(out, f)
+		return ok
+	})
+	if !ok {
 		return nil, false
 	}
-	var out [][]rawField
-	if !s.next(']') {
-		for {
-			s.space()
-			f, ok := s.object(2)
-			if !ok {
-				return nil, false
-			}
-			out = append(out, f)
-			if s.next(',') {
-				continue
-			}
-			if s.next(']') {
-				break
-			}
-			return nil, false
-		}
-	} else {
-		out = [][]rawField{}
-	}
-	s.space()
-	return out, s.i == len(v)
+	return out, true
 }

@@ -7,7 +7,7 @@ it, and never from a partial set."""
 import random
 from typing import Any
 
-from gonixl.vllm import GoNixlConnector, GoNixlWorkerMeta, _digest_places, _pack_u64, _placed
+from gonixl.vllm import GoNixlConnector, GoNixlWorkerMeta, _digest_places, _pack_u64, _placed, _search_places
 
 
 class _Sched:
@@ -57,17 +57,6 @@ def test_one_rank_serves_at_once() -> None:
     assert len(sched.served) == 1 and sched.served[0]["r"] is not None
 
 
-def _places_by_search(ids: list[int], digested: list[int]) -> Any:
-    """_digest_places without its shortcut: every block looked up."""
-    pos_of = {b: j for j, b in enumerate(digested) if b >= 0}
-    starts = {pos_of[b] - k for k, b in enumerate(ids) if b in pos_of}
-    if len(starts) > 1:
-        return None
-    start = starts.pop() if starts else 0
-    at = [start + k if 0 <= start + k < len(digested) and digested[start + k] == b else None for k, b in enumerate(ids)]
-    return start, at, start == 0 and len(ids) == len(pos_of) and None not in at
-
-
 def test_digest_places_shortcut_places_as_the_search_does() -> None:
     # The params name the prompt's digested blocks as they are (the usual
     # case) and skip the search; every other shape searches. Either way
@@ -94,7 +83,7 @@ def test_digest_places_shortcut_places_as_the_search_does() -> None:
             ids = list(reversed(digested))
         else:
             ids = [b if b >= 0 else rng.randrange(100) for b in digested] + [rng.randrange(100)] * rng.randrange(2)
-        want = _places_by_search(ids, digested)
+        want = _search_places(ids, digested)
         got = _digest_places(tuple(ids), digested)
         if want is None:
             assert got is None, (ids, digested)
