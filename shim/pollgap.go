@@ -74,21 +74,29 @@ func (w *Worker) lockTimed(what string) (unlock func()) {
 }
 
 // notePollLocked records a get_finished call and logs a long gap since the
-// previous one while READs were in flight.
+// previous one while READs were in flight. Only READs posted before that
+// gap count: an engine idle for a while, then handed a request whose READ
+// its step posted just before this poll, did not keep a READ waiting.
 func (w *Worker) notePollLocked() {
 	now := time.Now()
 	last := w.lastPoll
 	w.lastPoll = now
-	if last.IsZero() || now.Sub(last) < pollGapWarn {
+	gap := now.Sub(last)
+	if last.IsZero() || gap < pollGapWarn {
 		return
 	}
+	postedBy := w.clock() - gap.Seconds()
 	inFlight := 0
 	for _, st := range w.recv {
-		inFlight += len(st.xfers)
+		for _, f := range st.xfers {
+			if f.posted <= postedBy {
+				inFlight++
+			}
+		}
 	}
 	if inFlight == 0 {
 		return
 	}
 	w.log.Warn("vLLM did not poll the connector (get_finished runs once per engine step) while READs were in flight",
-		zap.Duration("gap", now.Sub(last)), zap.Int("reads_in_flight", inFlight))
+		zap.Duration("gap", gap), zap.Int("reads_in_flight", inFlight))
 }

@@ -12,11 +12,12 @@ import (
 
 func diagWorker() (*Worker, *observer.ObservedLogs) {
 	core, logs := observer.New(zapcore.InfoLevel)
-	return &Worker{log: zap.New(core), recv: map[string]*recvState{}}, logs
+	return &Worker{log: zap.New(core), recv: map[string]*recvState{}, clock: NewFakeClock(100).Now}, logs
 }
 
 // A gap between two get_finished calls longer than pollGapWarn is logged
-// only while READs are in flight, with the gap and their count.
+// only while READs posted before it are in flight, with the gap and their
+// count; a READ posted in the step that ends the gap is not counted.
 func TestPollGapLoggedOnlyWithReadsInFlight(t *testing.T) {
 	w, logs := diagWorker()
 	w.lastPoll = time.Now().Add(-3 * time.Second)
@@ -24,7 +25,7 @@ func TestPollGapLoggedOnlyWithReadsInFlight(t *testing.T) {
 	if n := logs.FilterMessageSnippet("did not poll").Len(); n != 0 {
 		t.Fatalf("gap without READs in flight logged %d times", n)
 	}
-	w.recv["r1"] = &recvState{id: "r1", xfers: []*inflight{{}, {}}}
+	w.recv["r1"] = &recvState{id: "r1", xfers: []*inflight{{posted: 90}, {posted: 96}, {posted: 99.5}}}
 	w.notePollLocked() // right after the previous call: no gap
 	if n := logs.FilterMessageSnippet("did not poll").Len(); n != 0 {
 		t.Fatalf("short gap logged %d times", n)
@@ -41,6 +42,14 @@ func TestPollGapLoggedOnlyWithReadsInFlight(t *testing.T) {
 	}
 	if gap, _ := f["gap"].(time.Duration); gap < 3*time.Second {
 		t.Fatalf("gap %v, want >= 3s", f["gap"])
+	}
+	// An engine idle for 3 s, then a READ posted by the step that ends
+	// the gap: no READ waited.
+	w.recv["r1"].xfers = w.recv["r1"].xfers[2:]
+	w.lastPoll = time.Now().Add(-3 * time.Second)
+	w.notePollLocked()
+	if n := logs.FilterMessageSnippet("did not poll").Len(); n != 1 {
+		t.Fatalf("a READ posted after the gap logged: %d lines, want 1", n)
 	}
 }
 

@@ -382,6 +382,26 @@ def gauge(text: str, name: str) -> Optional[float]:
     return total if found else None
 
 
+def group_states(pgid: int) -> dict[int, str]:
+    """{pid: state letter} of every process in process group pgid, from
+    /proc/<pid>/stat ('T': stopped by a signal). A fault case that needs a
+    frozen peer says with it whether the peer really was."""
+    states: dict[int, str] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces or ')'.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) >= 3 and fields[2] == str(pgid):
+            states[int(name)] = fields[0]
+    return states
+
+
 def log_size(path: str) -> int:
     try:
         return os.path.getsize(path)

@@ -580,7 +580,9 @@ def _frozen_read_attempt(env, policies):
     """One try of case d for `policies` at once: genuine prefill answers
     (concurrently), the prefill's group paused, the params sent straight to
     each decode (what the proxy would do). Returns {policy: (example,
-    outcome, decode log text)} and how long the prefill stayed frozen."""
+    outcome, decode log text, seconds from SIGSTOP to the send, the
+    prefill's process states at the answer)} and how long the prefill
+    stayed frozen."""
     cfg, base, groups = env["cfg"], env["base"], env["groups"]
     exs = dict(zip(policies, fresh(env, [6 * BLOCK + 3 + 6 * i for i in range(len(policies))])))
     base.warm([e.prompt for e in exs.values()])
@@ -608,14 +610,23 @@ def _frozen_read_attempt(env, policies):
             body = fh.completion_body(MODEL, exs[policy].prompt, kv_transfer_params=answers[policy].kv_transfer_params)
             return fh.request(cfg.decode[policy], body, CLIENT_TIMEOUT_S)
 
+        def send_and_look(policy):
+            o = send(policy)
+            # The prefill's processes as this answer came: all 'T' unless
+            # the timer already resumed them (said with the answer).
+            return o, fh.group_states(cfg.prefill_pgid), bool(resumed)
+
         with cf.ThreadPoolExecutor(max_workers=len(policies)) as pool:
-            outcomes = dict(zip(policies, pool.map(send, policies)))
+            got = dict(zip(policies, pool.map(send_and_look, policies)))
     finally:
         timer.cancel()
         if not resumed:
             resume()
     frozen_s = resumed[0] - t_stop
-    return {p: (exs[p], outcomes[p], log_from(cfg.decode_log[p], offsets[p]), outcomes[p].started - t_stop) for p in policies}, frozen_s
+    looks = {p: f"prefill processes at the answer {g[1]}{' (after the resume)' if g[2] else ''}" for p, g in got.items()}
+    return {
+        p: (exs[p], got[p][0], log_from(cfg.decode_log[p], offsets[p]), got[p][0].started - t_stop, looks[p]) for p in policies
+    }, frozen_s
 
 
 def _log_excerpt(log: str, limit: int = 40) -> str:
@@ -643,12 +654,12 @@ def test_d_read_to_frozen_prefill(env):
     stuck_seen: dict[str, bool] = {}
     for attempt in range(1, D_ATTEMPTS + 1):
         got, frozen_s = _frozen_read_attempt(env, pending)
-        for policy, (ex, o, log, sent_after) in got.items():
+        for policy, (ex, o, log, sent_after, look) in got.items():
             t = tallies[policy]
             kind = t.add(o, base(ex.prompt), policy)
             kinds = fh.failure_kinds(log)
             t.notes.append(
-                f"attempt {attempt}: {o.brief()}; sent {sent_after:.2f}s after SIGSTOP; decode log failure kinds {dict(kinds)}; prefill frozen {frozen_s:.1f}s"
+                f"attempt {attempt}: {o.brief()}; sent {sent_after:.2f}s after SIGSTOP; decode log failure kinds {dict(kinds)}; prefill frozen {frozen_s:.1f}s; {look}"
             )
             # Never a wrong answer, and bounded, whatever path was taken.
             assert kind != "wrong", f"decode-{policy}: wrong output {o.text!r}, baseline {base(ex.prompt)!r}"
@@ -659,9 +670,10 @@ def test_d_read_to_frozen_prefill(env):
             # (data path ucp, UCX_TLS without cma), so the frozen-READ path
             # this case exists for was not exercised: a failure, not a skip.
             assert not (kind == "correct" and not kinds), (
-                f"decode-{policy}: the READ completed with the prefill frozen ({o.brief()}; UCX_TLS={os.environ.get('UCX_TLS')!r}, "
-                f"GONIXL_UCX_DATA_PATH={os.environ.get('GONIXL_UCX_DATA_PATH')!r}): a transport served it without the peer's progress, "
-                "so case d did not test a READ that cannot complete; the decode's log of the attempt:\n" + _log_excerpt(log)
+                f"decode-{policy}: the READ completed with the prefill frozen ({o.brief()}; {look}; sent {sent_after:.2f}s after SIGSTOP; "
+                f"UCX_TLS={os.environ.get('UCX_TLS')!r}, GONIXL_UCX_DATA_PATH={os.environ.get('GONIXL_UCX_DATA_PATH')!r}): "
+                "a transport served it without the peer's progress, so case d did not test a READ that cannot complete; "
+                "the decode's log of the attempt:\n" + _log_excerpt(log)
             )
             stuck = "transfer_release_failed" in log
             if stuck:
