@@ -23,9 +23,26 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Seque
 
 from . import _lib
 
+try:
+    # The library's JSON answers on per-request paths (request_finished's
+    # params, a prefill worker's KV digests), decoded in a fifth of
+    # json.loads's time (1.1 against 4.9 µs for a 32-block pull's params).
+    # vLLM depends on msgspec; without it, the standard library.
+    from msgspec.json import Decoder as _Decoder
+
+    _loads: Callable[[bytes], Any] = _Decoder().decode
+except ImportError:  # pragma: no cover - vLLM always brings msgspec
+    _loads = json.loads
+
 
 def flatten_groups(groups: Optional[Sequence[Sequence[int]]]) -> tuple[ctypes.Array, int, ctypes.Array, int]:
     """Per-group block id lists -> (flat int64 array, n, group lengths, n_groups)."""
+    if groups is not None and len(groups) == 1:
+        # One KV-cache group (every model without sliding windows): no
+        # intermediate lists.
+        g = groups[0]
+        n = len(g)
+        return (ctypes.c_int64 * n)(*g), n, (ctypes.c_int64 * 1)(n), 1
     lists = [list(g) for g in (groups or ())]
     flat = [b for g in lists for b in g]
     ids = (ctypes.c_int64 * len(flat))(*flat)
@@ -448,7 +465,7 @@ class Scheduler:
             ctypes.byref(delay),
             initial=256 + 16 * n,
         )
-        return bool(delay.value), (json.loads(out) if out else None)
+        return bool(delay.value), (_loads(out) if out else None)
 
     def set_handshake_payload(self, pp_rank: int, tp_rank: int, payload: bytes) -> None:
         self.flush()
@@ -535,7 +552,7 @@ class Worker:
         just made final (reqs: {"id", "tokens", "blocks"}), by request id:
         {"blocks": [[digest] per group], "regions": [[sum] per group]}."""
         j = json.dumps(reqs).encode()
-        return json.loads(_lib.call_bytes("gonixl_worker_kv_digest", self.handle, j, len(j), initial=4096 + 24 * sum(
+        return _loads(_lib.call_bytes("gonixl_worker_kv_digest", self.handle, j, len(j), initial=4096 + 24 * sum(
             len(g) for r in reqs for g in r["blocks"])))
 
     def kv_digest_held(self, reqs: Sequence[Mapping[str, Any]]) -> None:
@@ -549,7 +566,7 @@ class Worker:
     def kv_digests_ready(self) -> dict[str, Any]:
         """The digests kv_digest_held finished since the last call, by
         request id (kv_digest's answer form)."""
-        return json.loads(_lib.call_bytes("gonixl_worker_kv_digests_ready", self.handle, initial=4096))
+        return _loads(_lib.call_bytes("gonixl_worker_kv_digests_ready", self.handle, initial=4096))
 
     def load_errors(self) -> list[int]:
         return json.loads(_lib.call_bytes("gonixl_worker_load_errors", self.handle, initial=64))

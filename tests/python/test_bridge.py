@@ -399,3 +399,19 @@ def test_scheduler_batch_refuses_a_bad_op_alone():
         assert s.live()["heartbeat_leases"] == 1, "the refused batch was applied"
     finally:
         s.close()
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [None, (), ([],), ([5, 1, 9],), ((7,),), [[1, 2], [3]], ([], [4, 4]), (range(3), [8])],
+)
+def test_flatten_groups_flat_ids_and_lengths(groups):
+    """The arrays request_finished and update_state_after_alloc hand the
+    library: every group's ids in order, and each group's length (one
+    group takes a path of its own)."""
+    from gonixl.engine import flatten_groups
+
+    ids, n, lens, ng = flatten_groups(groups)
+    lists = [list(g) for g in (groups or ())]
+    assert (list(ids), n) == ([b for g in lists for b in g], sum(map(len, lists)))
+    assert (list(lens), ng) == ([len(g) for g in lists], len(lists))
