@@ -353,35 +353,8 @@ func TestReadbackHoldEndedBeforeItsDigests(t *testing.T) {
 // multi-turn suite's concurrent conversations caught it: 1 of 66 read-backs
 // unchecked on a loaded host).
 func TestReadbackReaderDoneBeforeTheHold(t *testing.T) {
-	r := newReadbackRun(t, KVDigestFail, true)
-	const tokens = 2 * tBlockSize
-	blocks := []int64{7, 8}
-	if _, err := r.d.sched.UpdateStateAfterAlloc("d-1", mustParams(t, `{"do_remote_decode": true, "_remote_blocks_processed": true}`), nil, []int64{0}, 0); err != nil {
-		t.Fatal(err)
-	}
-	r.d.step(t)
-	// request_finished, and the decode's next step not come yet.
-	delay, out, err := r.d.sched.RequestFinished("d-1", mustParams(t, `{"do_remote_prefill": false, "do_remote_decode": false}`), true, tokens, BlockIDs{blocks})
-	if err != nil || !delay {
-		t.Fatalf("request_finished: delay=%v err=%v", delay, err)
-	}
-	pp := mustParams(t, string(out))
-	n, _ := r.p.sched.GetNumNewMatchedTokens(pp, tokens+5, 0)
-	if _, err := r.p.sched.UpdateStateAfterAlloc("p-1", pp, BlockIDs{{3, 4}}, []int64{0}, n); err != nil {
-		t.Fatal(err)
-	}
-	r.p.step(t)
+	r, tokens, blocks := readerDoneEarly(t)
 	w := r.d.work
-	r.d.waitFinished(t, "the reader's notification", func(f Finished) bool {
-		r.p.finished(t)
-		if contains(f.Sending, "d-1") {
-			t.Fatalf("the hold ended before the step that installs it: %+v", f)
-		}
-		w.mu.Lock()
-		defer w.mu.Unlock()
-		_, kept := w.readEarly.Deadline("d-1")
-		return kept
-	})
 	for i := 0; i < 10; i++ {
 		if f := r.d.finished(t); contains(f.Sending, "d-1") {
 			t.Fatalf("the hold ended before the step that installs it (poll %d)", i)
@@ -413,6 +386,142 @@ func TestReadbackReaderDoneBeforeTheHold(t *testing.T) {
 	defer w.mu.Unlock()
 	if w.readEarly.Len() != 0 {
 		t.Fatal("a kept end stayed after its hold")
+	}
+}
+
+// readerDoneEarly: a bidirectional decode's request d-1 finished (its KV
+// in blocks 7 and 8), and the next turn's prefill read it back and
+// notified before the decode's next step installed the hold; the decode's
+// worker keeps that end (readEarly). Returns the run, d-1's tokens and
+// blocks.
+func readerDoneEarly(t *testing.T) (*readbackRun, int64, []int64) {
+	t.Helper()
+	r := newReadbackRun(t, KVDigestFail, true)
+	const tokens = 2 * tBlockSize
+	blocks := []int64{7, 8}
+	if _, err := r.d.sched.UpdateStateAfterAlloc("d-1", mustParams(t, `{"do_remote_decode": true, "_remote_blocks_processed": true}`), nil, []int64{0}, 0); err != nil {
+		t.Fatal(err)
+	}
+	r.d.step(t)
+	// request_finished, and the decode's next step not come yet.
+	delay, out, err := r.d.sched.RequestFinished("d-1", mustParams(t, `{"do_remote_prefill": false, "do_remote_decode": false}`), true, tokens, BlockIDs{blocks})
+	if err != nil || !delay {
+		t.Fatalf("request_finished: delay=%v err=%v", delay, err)
+	}
+	pp := mustParams(t, string(out))
+	n, _ := r.p.sched.GetNumNewMatchedTokens(pp, tokens+5, 0)
+	if _, err := r.p.sched.UpdateStateAfterAlloc("p-1", pp, BlockIDs{{3, 4}}, []int64{0}, n); err != nil {
+		t.Fatal(err)
+	}
+	r.p.step(t)
+	w := r.d.work
+	r.d.waitFinished(t, "the reader's notification", func(f Finished) bool {
+		r.p.finished(t)
+		if contains(f.Sending, "d-1") {
+			t.Fatalf("the hold ended before the step that installs it: %+v", f)
+		}
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		_, kept := w.readEarly.Deadline("d-1")
+		return kept
+	})
+	return r, tokens, blocks
+}
+
+// sendingCount polls side d n times and counts the polls that reported id
+// finished sending.
+func sendingCount(t *testing.T, d *side, id string, n int) int {
+	t.Helper()
+	got := 0
+	for i := 0; i < n; i++ {
+		if contains(d.finished(t).Sending, id) {
+			got++
+		}
+	}
+	return got
+}
+
+// The reader's notification again (a duplicate, or a second reader of the
+// same params), before and after the step that installs the hold: the
+// hold still ends once, in that step, and vLLM hears finished_sending for
+// d-1 once (it asserts on a second).
+func TestReadbackEarlyEndDuplicated(t *testing.T) {
+	r, _, _ := readerDoneEarly(t)
+	w := r.d.work
+	again := func() {
+		t.Helper()
+		if err := r.p.work.agent.SendNotif(w.agent.Name(), kvwire.DoneNotif("d-1", 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	w.mu.Lock()
+	until0, _ := w.readEarly.Deadline("d-1")
+	w.mu.Unlock()
+	again()
+	if n := sendingCount(t, r.d, "d-1", 10); n != 0 {
+		t.Fatalf("a duplicate ended the hold before the step that installs it (%d times)", n)
+	}
+	w.mu.Lock()
+	until1, kept := w.readEarly.Deadline("d-1")
+	w.mu.Unlock()
+	if !kept || until1 <= until0 {
+		// Kept, and kept again from the duplicate's arrival: it was seen.
+		t.Fatalf("after a duplicate: kept %v, until %v -> %v", kept, until0, until1)
+	}
+	r.d.step(t)
+	if n := sendingCount(t, r.d, "d-1", 10); n != 1 {
+		t.Fatalf("finished_sending for d-1 %d times after the step that installs its hold, want 1", n)
+	}
+	again()
+	if n := sendingCount(t, r.d, "d-1", 10); n != 0 {
+		t.Fatalf("a duplicate after the hold's end reported it again (%d times)", n)
+	}
+	var st map[string][]float64
+	_ = json.Unmarshal(w.Stats(), &st)
+	if len(st["num_notifications_after_expiry"]) != 1 {
+		t.Fatalf("the duplicate after the end was not seen as one for a request gone: stats %v", st)
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.readEarly.Len() != 0 || w.held.Len() != 0 {
+		t.Fatalf("left behind: %d kept ends, %d holds", w.readEarly.Len(), w.held.Len())
+	}
+}
+
+// A kept end whose hold did not come within twice the lease expires; a
+// hold installed after that waits for its lease (its reader will not
+// notify again), and ends once, at the lease: never before the step that
+// installs it, never twice.
+func TestReadbackEarlyEndExpired(t *testing.T) {
+	r, _, _ := readerDoneEarly(t)
+	w := r.d.work
+	w.mu.Lock()
+	w.readEarly.Hold("d-1", w.clock()-1) // twice the lease passed
+	w.mu.Unlock()
+	if n := sendingCount(t, r.d, "d-1", 3); n != 0 {
+		t.Fatalf("an expired kept end was reported (%d times)", n)
+	}
+	w.mu.Lock()
+	left := w.readEarly.Len()
+	w.mu.Unlock()
+	if left != 0 {
+		t.Fatal("the sweep kept an expired end")
+	}
+	r.d.step(t)
+	if n := sendingCount(t, r.d, "d-1", 10); n != 0 {
+		t.Fatalf("the hold ended before its lease with no reader left to notify (%d times)", n)
+	}
+	w.mu.Lock()
+	_, held := w.held.Deadline("d-1")
+	if held {
+		w.held.Hold("d-1", w.clock()-1) // its lease passes
+	}
+	w.mu.Unlock()
+	if !held {
+		t.Fatal("the step did not install the hold")
+	}
+	if n := sendingCount(t, r.d, "d-1", 10); n != 1 {
+		t.Fatalf("finished_sending for d-1 %d times after its lease, want 1", n)
 	}
 }
 
