@@ -2,6 +2,7 @@ package shim
 
 import (
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -28,9 +29,24 @@ const pollGapWarn = 2 * time.Second
 // waited for (docs/BENCHMARKS.md, run 11: calls blocked 43-162 ms). Read at first
 // use, after the library took its environment (capi/env.go).
 func SlowCallWarn() time.Duration {
-	slowOnce.Do(func() { slowWarn = slowCallMS(os.Getenv("GONIXL_SLOW_CALL_MS")) })
+	slowOnce.Do(func() {
+		v := os.Getenv("GONIXL_SLOW_CALL_MS")
+		slowWarn, slowStacks = slowCallMS(v), strings.TrimSpace(v) != ""
+	})
 	return slowWarn
 }
+
+// slowStacksOn: GONIXL_SLOW_CALL_MS was set (a diagnostic run): a hold of
+// the worker's lock still running at SlowCallWarn also logs every
+// goroutine's stack, which names what the holder waits for (a mutex of
+// the engine, a channel, a system call) while it waits.
+func slowStacksOn() bool {
+	SlowCallWarn()
+	return slowStacks
+}
+
+// maxStackDump bounds one logged dump of goroutine stacks.
+const maxStackDump = 256 << 10
 
 // slowCallMS reads GONIXL_SLOW_CALL_MS: a positive number of milliseconds
 // below a million seconds; anything else is the default, 500.
@@ -42,8 +58,9 @@ func slowCallMS(v string) time.Duration {
 }
 
 var (
-	slowOnce sync.Once
-	slowWarn time.Duration
+	slowOnce   sync.Once
+	slowWarn   time.Duration
+	slowStacks bool
 )
 
 // LogSlowCall logs a call into the library (capi's name for it) that ran
@@ -64,7 +81,20 @@ func (w *Worker) lockTimed(what string) (unlock func()) {
 			zap.String("held_by", w.lockHolder))
 	}
 	w.lockHolder = what
+	var dump *time.Timer
+	if slowStacksOn() {
+		dump = time.AfterFunc(SlowCallWarn(), func() {
+			defer func() { _ = recover() }() // a diagnostic never takes the process down
+			buf := make([]byte, maxStackDump)
+			buf = buf[:runtime.Stack(buf, true)]
+			w.log.Warn("the worker's lock is still held; goroutines now", zap.String("call", what),
+				zap.Duration("held", time.Since(got)), zap.ByteString("stacks", buf))
+		})
+	}
 	return func() {
+		if dump != nil {
+			dump.Stop()
+		}
 		held := time.Since(got)
 		w.mu.Unlock()
 		if held >= SlowCallWarn() {

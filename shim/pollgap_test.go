@@ -1,6 +1,8 @@
 package shim
 
 import (
+	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -99,4 +101,47 @@ func TestSlowCallMS(t *testing.T) {
 			t.Errorf("GONIXL_SLOW_CALL_MS=%q: %v, want %v", c.in, got, c.want)
 		}
 	}
+}
+
+// With GONIXL_SLOW_CALL_MS set, a hold still running at that threshold
+// logs every goroutine's stack while it lasts: the holder's shows what it
+// waits for.
+func TestLongHoldLogsStacks(t *testing.T) {
+	SlowCallWarn()
+	oldWarn, oldStacks := slowWarn, slowStacks
+	slowWarn, slowStacks = 30*time.Millisecond, true
+	defer func() { slowWarn, slowStacks = oldWarn, oldStacks }()
+	w, logs := diagWorker()
+	release := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		holdForStackTest(w, release)
+	}()
+	deadline := time.Now().Add(5 * time.Second)
+	for logs.FilterMessageSnippet("goroutines now").Len() == 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	close(release)
+	<-done
+	got := logs.FilterMessageSnippet("goroutines now").All()
+	if len(got) != 1 {
+		t.Fatalf("%d stack dumps, want 1", len(got))
+	}
+	f := got[0].ContextMap()
+	if f["call"] != "stack test" || !strings.Contains(fmt.Sprint(f["stacks"]), "holdForStackTest") {
+		t.Fatalf("dump %v does not name the holder's frame", f)
+	}
+	// A short hold dumps nothing.
+	w.lockTimed("short")()
+	time.Sleep(60 * time.Millisecond)
+	if n := logs.FilterMessageSnippet("goroutines now").Len(); n != 1 {
+		t.Fatalf("%d dumps after a short hold, want still 1", n)
+	}
+}
+
+//go:noinline
+func holdForStackTest(w *Worker, release <-chan struct{}) {
+	defer w.lockTimed("stack test")()
+	<-release
 }
