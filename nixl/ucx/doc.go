@@ -62,10 +62,10 @@
 // fragment, so the target must progress (its progress thread spins for a
 // short window after work for that reason). Newer UCX (1.16+, e.g. the
 // libucx-cu12 wheel) reads with CMA zero-copy instead. data_path "cma"
-// (opt-in) moves same-host data with process_vm_readv/writev directly, one
-// syscall per 512 operations, outside the agent mutex, and uses UCX only
-// for the notification; Post then returns after the copy (Success, or
-// InProgress while the notification is in flight).
+// (the default) moves same-host data with process_vm_readv/writev
+// directly, one syscall per 512 operations, on a goroutine of this process
+// outside the agent mutex, and uses UCX only for the notification; Post
+// returns InProgress at once.
 //
 // data_path "shm" (opt-in, both sides) goes further, to what ucx_perftest
 // gets on memory UCX allocated itself: RegisterMem re-backs the
@@ -81,9 +81,9 @@
 //
 // BackendParams["UCX"] takes NIXL's UCX plugin keys: ucx_error_handling_mode
 // (alias error_handling) "auto", "peer" or "none", engine_config
-// "KEY=VAL,...", device_list, and this engine's data_path "ucp" (default),
-// "cma" or "shm". The error mode falls back to $GONIXL_UCX_ERR_MODE, then "auto";
-// the data path to $GONIXL_UCX_DATA_PATH, then "ucp".
+// "KEY=VAL,...", device_list, and this engine's data_path "cma" (default),
+// "ucp" or "shm". The error mode falls back to $GONIXL_UCX_ERR_MODE, then "auto";
+// the data path to $GONIXL_UCX_DATA_PATH, then "cma".
 //
 // On UCX 1.13, peer mode lets UCP use only transports that detect peer
 // failure, which pushes same-host traffic onto TCP (about 1 GB/s here);
