@@ -216,15 +216,10 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
             "issue 34 asks for medians ≤ 0.5 and p99s ≤ 1):", ""]
     rows = []
     sides = (("prefill", "scheduler"), ("prefill", "worker"), ("decode", "scheduler"), ("decode", "worker"))
-    for n, c in keys:
-        bs = cases.get((base, n, c))
-        for l in labels:
-            cs = cases.get((l, n, c))
-            if cs is None or bs is None or l == base:
-                continue
-            rows.append([str(n), str(c), l] + [
-                f"{_ratio(pct(cs.step.get(sd, []), 0.5), pct(bs.step.get(sd, []), 0.5))} / "
-                f"{_ratio(pct(cs.step.get(sd, []), 0.99), pct(bs.step.get(sd, []), 0.99))}" for sd in sides])
+    for n, c, l, cs, bs in against_base(labels, cases, keys, base):
+        rows.append([str(n), str(c), l] + [
+            f"{_ratio(pct(cs.step.get(sd, []), 0.5), pct(bs.step.get(sd, []), 0.5))} / "
+            f"{_ratio(pct(cs.step.get(sd, []), 0.99), pct(bs.step.get(sd, []), 0.99))}" for sd in sides])
     out.append(table(rows, ["prompt", "conc", "deployment", "P scheduler p50 / p99", "P worker", "D scheduler", "D worker"]))
     out += ["", "**Where the slowest steps go** (steps at or above the p99 of their side: how many, the longest, and "
             "the methods that took most of their time):", ""]
@@ -288,18 +283,13 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
     out.append(table(rows, ["prompt", "conc", "deployment", "posted by", "transfers", "descriptors / transfer", "KiB / transfer", "KiB / descriptor", "xfer time ms (mean)"]))
     # Same prompts, same order in every deployment (one seed): greedy outputs should agree.
     diff = []
-    for n, c in keys:
-        ref = cases.get((base, n, c))
-        for l in labels:
-            cs = cases.get((l, n, c))
-            if ref is None or cs is None or l == base:
-                continue
-            common = [k for k in cs.texts if k in ref.texts]
-            d = sum(1 for k in common if ref.texts[k] != cs.texts[k])
-            if d:
-                diff.append(f"{l} {n}×{c}: {d} of {len(common)}")
-            elif not common:
-                diff.append(f"{l} {n}×{c}: not compared (other prompts)")
+    for n, c, l, cs, ref in against_base(labels, cases, keys, base):
+        common = [k for k in cs.texts if k in ref.texts]
+        d = sum(1 for k in common if ref.texts[k] != cs.texts[k])
+        if d:
+            diff.append(f"{l} {n}×{c}: {d} of {len(common)}")
+        elif not common:
+            diff.append(f"{l} {n}×{c}: not compared (other prompts)")
     unmatched = sum(cs.unmatched for cs in cases.values())
     out += ["", f"Outputs compared with {base}'s for the same prompts (greedy): " + ("all equal." if not diff else "; ".join(diff) + ".")]
     errs = [(k, e) for k, cs in cases.items() for e in cs.errors]
@@ -310,6 +300,18 @@ def report(dirpath: str, setname: str, cmd: str) -> str:
         out.append(f"Requests without a connector record on both instances (left out of hand-off and KV ready): {unmatched}.")
     plots(dirpath, labels, cases, keys)
     return "\n".join(out) + "\n"
+
+
+def against_base(labels: list[str], cases: dict, keys: list[tuple[int, int]], base: str):
+    """(prompt, concurrency, deployment, its case, base's case) for every
+    case that both a deployment other than base and base itself ran."""
+    for n, c in keys:
+        bs = cases.get((base, n, c))
+        for l in labels:
+            cs = cases.get((l, n, c))
+            if cs is None or bs is None or l == base:
+                continue
+            yield n, c, l, cs, bs
 
 
 # A step's kind, from the methods it called: a worker step ran a forward
@@ -333,23 +335,18 @@ def kind_section(labels: list[str], cases: dict, keys: list[tuple[int, int]], si
     out = ["", f"**Per-step targets by kind of step** (steps split into idle ones and those with a forward (worker) or a "
            f"request (scheduler); p50 / p99 ÷ {base}'s of the same kind, and how many steps of that kind):", ""]
     rows = []
-    for n, c in keys:
-        bs = cases.get((base, n, c))
-        for l in labels:
-            cs = cases.get((l, n, c))
-            if cs is None or bs is None or l == base:
-                continue
-            for kind in ("idle", "work"):
-                row = [str(n), str(c), l, kind]
-                for sd in sides:
-                    def of(x: Any) -> list[float]:
-                        xs, ms_ = x.step.get(sd, []), x.step_m.get(sd, [])
-                        if len(ms_) != len(xs):
-                            return []
-                        return [v for v, m in zip(xs, ms_) if (step_kind(sd[1], m) == "idle") == (kind == "idle")]
-                    a, b = of(cs), of(bs)
-                    row.append(f"{_ratio(pct(a, 0.5), pct(b, 0.5))} / {_ratio(pct(a, 0.99), pct(b, 0.99))} ({len(a)} / {len(b)})" if a and b else "–")
-                rows.append(row)
+    for n, c, l, cs, bs in against_base(labels, cases, keys, base):
+        for kind in ("idle", "work"):
+            row = [str(n), str(c), l, kind]
+            for sd in sides:
+                def of(x: Any) -> list[float]:
+                    xs, ms_ = x.step.get(sd, []), x.step_m.get(sd, [])
+                    if len(ms_) != len(xs):
+                        return []
+                    return [v for v, m in zip(xs, ms_) if (step_kind(sd[1], m) == "idle") == (kind == "idle")]
+                a, b = of(cs), of(bs)
+                row.append(f"{_ratio(pct(a, 0.5), pct(b, 0.5))} / {_ratio(pct(a, 0.99), pct(b, 0.99))} ({len(a)} / {len(b)})" if a and b else "–")
+            rows.append(row)
     if not rows:
         return []
     out.append(table(rows, ["prompt", "conc", "deployment", "steps", "P scheduler p50 / p99", "P worker", "D scheduler", "D worker"]))
